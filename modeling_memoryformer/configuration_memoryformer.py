@@ -1,0 +1,245 @@
+"""MemoryFormer model configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers.configuration_utils import PreTrainedConfig
+
+
+PRESETS = ("tiny", "small", "base")
+_NORM_TYPES = ("layernorm", "rmsnorm")
+_HASH_SCORES = ("paper", "l1")
+_ATTENTION_OUTPUTS = ("none", "memory")
+_BLOCK_ACTIVATIONS = ("none", "gelu")
+
+
+class MemoryFormerConfig(PreTrainedConfig):
+    r"""Configuration of a MemoryFormer (Ding et al., NeurIPS 2024): a decoder-only transformer whose fully-connected
+    layers are Memory Layers (hash-table lookups). Defaults are the MF-tiny preset (the shape of Pythia-70M).
+
+    Args:
+        vocab_size: vocabulary size (Pythia's padded GPT-NeoX vocabulary by default).
+        hidden_size: model width d; must be divisible by `hash_bits` and by `num_attention_heads`.
+        num_hidden_layers: number of blocks.
+        num_attention_heads: attention heads.
+        max_position_embeddings: longest sequence the rotary embedding is meant for.
+        rope_parameters: `{"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}`: rotary
+            embedding on the first quarter of each head's dims, GPT-NeoX style.
+        hash_bits: tau, the bits of each hash code; a Memory Layer with d_in inputs has K = d_in / tau tables of
+            2**tau rows.
+        expand_bits: e; the first Memory Layer of the Memory Block outputs (tau + e) * K features, hashed by the
+            second one with tau + e bits.
+        intermediate_size: output width of the first Memory Layer of the Memory Block; default (tau + e) * K.
+        hash_score: "paper" (p(z) = 1 / prod(1 + exp(-2|z|/t))) or "l1" (||z||_1 * p(z), the authors' code).
+        hash_temperature: t > 0 in the score.
+        memory_bias: whether Memory Layers add a bias.
+        norm_type: "layernorm" (zero-centres the input of the hash, as the paper asks) or "rmsnorm", for the
+            block norms and the final norm; the norm inside the Memory Block is always a LayerNorm.
+        layer_norm_eps: epsilon of every norm.
+        use_parallel_residual: False: h = x + Attn(N1(x)); y = h + MB(N2(h)) (authors' code). True:
+            y = x + Attn(N1(x)) + MB(N2(x)) (Pythia).
+        attention_output: "none" (no projection after attention, as the paper) or "memory" (a d -> d Memory
+            Layer, needed to convert Pythia).
+        memory_block_activation: "none" (paper) or "gelu" between the two Memory Layers of the Memory Block.
+        initializer_range: std of the embedding and LM-head init.
+        table_init_std: std of the hash-table init, N(0, table_init_std).
+    """
+
+    model_type = "memoryformer"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        hidden_size: int = 512,
+        num_hidden_layers: int = 6,
+        num_attention_heads: int = 8,
+        max_position_embeddings: int = 2048,
+        rope_parameters: dict | None = None,
+        hash_bits: int = 8,
+        expand_bits: int = 2,
+        intermediate_size: int | None = None,
+        hash_score: str = "paper",
+        hash_temperature: float = 1.0,
+        memory_bias: bool = True,
+        norm_type: str = "layernorm",
+        layer_norm_eps: float = 1e-5,
+        use_parallel_residual: bool = False,
+        attention_output: str = "none",
+        memory_block_activation: str = "none",
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        initializer_range: float = 0.02,
+        table_init_std: float = 0.02,
+        use_cache: bool = True,
+        bos_token_id: int | None = 0,
+        eos_token_id: int | list[int] | None = 0,
+        pad_token_id: int | None = None,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.hash_bits = hash_bits
+        self.expand_bits = expand_bits
+        self.hash_score = hash_score
+        self.hash_temperature = hash_temperature
+        self.memory_bias = memory_bias
+        self.norm_type = norm_type
+        self.layer_norm_eps = layer_norm_eps
+        self.use_parallel_residual = use_parallel_residual
+        self.attention_output = attention_output
+        self.memory_block_activation = memory_block_activation
+        self.attention_dropout = attention_dropout
+        self.hidden_dropout = hidden_dropout
+        self.initializer_range = initializer_range
+        self.table_init_std = table_init_std
+        self.use_cache = use_cache
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        self._check_hash_shapes()  # intermediate_size's default needs a valid hash_bits
+        if intermediate_size is None:
+            intermediate_size = (hash_bits + expand_bits) * (hidden_size // hash_bits)
+        self.intermediate_size = intermediate_size
+        # Rotary: the first 25% of each head's dims, base 10000, as Pythia. Old-style keys are accepted.
+        rope_parameters = dict(rope_parameters or {})
+        rope_parameters.setdefault("rope_type", "default")
+        rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", kwargs.pop("rotary_emb_base", 10000.0)))
+        rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct", 0.25))
+        self.rope_parameters = rope_parameters
+        super().__init__(**kwargs)
+        self.validate_memoryformer()
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Derived sizes
+    @property
+    def num_tables(self) -> int:
+        """K = hidden_size / hash_bits: tables per Memory Layer that reads the hidden state."""
+        return self.hidden_size // self.hash_bits
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Validation: every error names the field, the value and the fix.
+    def _check_hash_shapes(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        tau = self.hash_bits
+        if not isinstance(tau, int) or isinstance(tau, bool) or not 1 <= tau <= 16:
+            detail = ""
+            if isinstance(tau, int) and not isinstance(tau, bool) and tau > 16:
+                table_bytes = (self.hidden_size // tau or 1) * (2**tau) * self.hidden_size * 4
+                detail = (
+                    f" With hash_bits={tau} one {self.hidden_size} -> {self.hidden_size} Memory Layer would need "
+                    f"{table_bytes:,} bytes of float32 tables."
+                )
+            raise ValueError(
+                f"hash_bits must be an integer in 1..16, got {tau!r}.{detail} The paper uses 8 (tables of 256 rows)."
+            )
+        e = self.expand_bits
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0 or tau + e > 16:
+            raise ValueError(
+                f"expand_bits must be an integer >= 0 with hash_bits + expand_bits <= 16, got expand_bits={e!r} "
+                f"(hash_bits={tau}). The paper uses 2."
+            )
+        if self.hidden_size % tau != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by hash_bits={tau}: each Memory Layer splits its "
+                f"input into K = hidden_size / hash_bits chunks. Pick a hidden_size that is a multiple of {tau} "
+                f"or a hash_bits that divides {self.hidden_size}."
+            )
+
+    def validate_memoryformer(self) -> None:
+        self._check_hash_shapes()
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}. "
+                "Pick a number of heads that divides the hidden size."
+            )
+        m = self.intermediate_size
+        inner_bits = self.hash_bits + self.expand_bits
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+            raise ValueError(f"intermediate_size must be a positive integer, got {m!r}.")
+        if m % inner_bits != 0:
+            raise ValueError(
+                f"intermediate_size={m} is not divisible by hash_bits + expand_bits = {inner_bits}: the second "
+                f"Memory Layer of the Memory Block hashes it in chunks of {inner_bits} bits. Use a multiple of "
+                f"{inner_bits}, e.g. the default (hash_bits + expand_bits) * K = {inner_bits * self.num_tables}."
+            )
+        if not isinstance(self.hash_temperature, (int, float)) or not self.hash_temperature > 0:
+            raise ValueError(
+                f"hash_temperature must be a number > 0, got {self.hash_temperature!r}. The paper uses 1.0."
+            )
+        enums = {
+            "hash_score": (self.hash_score, _HASH_SCORES),
+            "norm_type": (self.norm_type, _NORM_TYPES),
+            "attention_output": (self.attention_output, _ATTENTION_OUTPUTS),
+            "memory_block_activation": (self.memory_block_activation, _BLOCK_ACTIVATIONS),
+        }
+        for name, (value, allowed) in enums.items():
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(map(repr, allowed))}.")
+        for name in ("layer_norm_eps", "initializer_range", "table_init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}.")
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
+        rope = self.rope_parameters
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"rope_parameters['rope_type']={rope.get('rope_type')!r} is not supported; MemoryFormer uses "
+                "'default' rotary embeddings (GPT-NeoX style)."
+            )
+        factor = rope.get("partial_rotary_factor", 0.25)
+        if not 0 < factor <= 1 or int(self.head_dim * factor) % 2 != 0:
+            raise ValueError(
+                f"rope_parameters['partial_rotary_factor']={factor} must be in (0, 1] and give an even number of "
+                f"rotary dims per head (head_dim={self.head_dim}); Pythia uses 0.25."
+            )
+        if not rope.get("rope_theta", 1) > 0:
+            raise ValueError(f"rope_parameters['rope_theta'] must be > 0, got {rope.get('rope_theta')!r}.")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "MemoryFormerConfig":
+        """The paper's presets: "tiny" (Pythia-70M shape), "small" (Pythia-160M), "base" (Pythia-410M).
+
+        Keyword arguments override preset values, e.g. `from_preset("tiny", num_hidden_layers=2)`.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"Unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
+        with open(_preset_path(name), encoding="utf-8") as f:
+            values = json.load(f)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _preset_path(name: str) -> str:
+    """The preset's config.json, shipped in the wheel as `modeling_memoryformer/presets/<name>/config.json`
+    (source tree: `configuration/<name>/config.json`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in (os.path.join(here, "presets"), os.path.join(os.path.dirname(here), "configuration")):
+        path = os.path.join(folder, name, "config.json")
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"The {name!r} preset's config.json is missing (looked in {here}/presets and ../configuration). "
+        "Reinstall the package with `pip install .` so that the presets are shipped."
+    )
+
+
+__all__ = ["MemoryFormerConfig"]

@@ -1,0 +1,147 @@
+"""The Memory Layer operation: locality-sensitive hashing, bucket scores and the table lookup.
+
+Paper equations (MemoryFormer, NeurIPS 2024, section 3.1), for an input x in R^{d_in} split into
+K = d_in / tau contiguous chunks z_k of tau values each:
+
+    h(z_k)  = sum_i [z_k,i >= 0] * 2^i                      (eq. integer(); sign(0) = +1)
+    p(z_k)  = 1 / prod_i (1 + exp(-2 |z_k,i| / t))           (eq. hash_proj, the bucket probability)
+    y       = sum_k p(z_k) * T_k[h(z_k)] + b                 (eq. hash_proj)
+
+The K tables are stored as one parameter of shape [K * 2**tau, d_out], table-major, so that the row of
+table k for code c is row k * 2**tau + c.
+
+This module holds the plain formulation that every faster path is checked against
+(`memory_lookup_reference`) and the production path (`memory_lookup`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+HASH_SCORES = ("paper", "l1")
+
+
+def num_tables_for(in_features: int, hash_bits: int) -> int:
+    """K = d_in / tau; raise a ValueError naming the fix when tau does not divide d_in."""
+    if hash_bits < 1:
+        raise ValueError(f"hash_bits must be >= 1, got {hash_bits}.")
+    if in_features % hash_bits != 0:
+        raise ValueError(
+            f"in_features={in_features} is not divisible by hash_bits={hash_bits}: a Memory Layer splits its "
+            f"input into chunks of hash_bits values. Choose in_features as a multiple of {hash_bits}."
+        )
+    return in_features // hash_bits
+
+
+def _chunks(x: torch.Tensor, hash_bits: int) -> torch.Tensor:
+    """[..., K * tau] -> [..., K, tau]."""
+    num_tables_for(x.shape[-1], hash_bits)
+    return x.unflatten(-1, (x.shape[-1] // hash_bits, hash_bits))
+
+
+def hash_codes(x: torch.Tensor, hash_bits: int) -> torch.Tensor:
+    """Hash codes h(z_k) of every chunk: [..., K * tau] -> int64 [..., K] with values in [0, 2**tau).
+
+    Element i of a chunk carries bit 2**i, and an element >= 0 (an exact zero included) sets its bit.
+    """
+    z = _chunks(x, hash_bits)
+    weights = torch.ones(hash_bits, dtype=torch.long, device=x.device) << torch.arange(hash_bits, device=x.device)
+    return ((z >= 0).long() * weights).sum(-1)
+
+
+def hash_scores(x: torch.Tensor, hash_bits: int, score: str = "paper", temperature: float = 1.0) -> torch.Tensor:
+    """Weight of each retrieved row: [..., K * tau] -> [..., K], in the dtype of x.
+
+    score="paper": p(z) = 1 / prod_i (1 + exp(-2|z_i|/t)), computed as exp(-sum_i softplus(-2|z_i|/t)).
+    score="l1":    ||z||_1 * p(z), the authors' training code (unbounded, roughly scale-equivariant).
+    Half-precision inputs are scored in float32 and the result cast back.
+    """
+    if score not in HASH_SCORES:
+        raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    z = _chunks(x, hash_bits)
+    compute_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    z_abs = z.to(compute_dtype).abs()
+    log_p = -F.softplus(-2.0 * z_abs / temperature).sum(-1)
+    p = log_p.exp()
+    if score == "l1":
+        p = p * z_abs.sum(-1)
+    return p.to(x.dtype)
+
+
+def table_rows(codes: torch.Tensor, hash_bits: int) -> torch.Tensor:
+    """Flat row index into the [K * 2**tau, d_out] table parameter: k * 2**tau + h(z_k)."""
+    num_tables = codes.shape[-1]
+    offsets = torch.arange(num_tables, device=codes.device, dtype=codes.dtype) << hash_bits
+    return codes + offsets
+
+
+def _check_tables(x: torch.Tensor, tables: torch.Tensor, hash_bits: int) -> None:
+    num_tables = num_tables_for(x.shape[-1], hash_bits)
+    if tables.dim() != 2 or tables.shape[0] != num_tables << hash_bits:
+        raise ValueError(
+            f"tables must have shape [K * 2**hash_bits, out_features] = [{num_tables << hash_bits}, out_features] "
+            f"for an input of {x.shape[-1]} features and hash_bits={hash_bits}; got {tuple(tables.shape)}."
+        )
+
+
+def memory_lookup_reference(
+    x: torch.Tensor,
+    tables: torch.Tensor,
+    bias: torch.Tensor | None,
+    hash_bits: int,
+    score: str = "paper",
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The Memory Layer written straight from the equations; the oracle for every other path.
+
+    x: [..., K * tau], tables: [K * 2**tau, d_out], bias: [d_out] or None -> [..., d_out].
+    Gathers the K rows of every token explicitly ([..., K, d_out]) and sums them weighted by the scores.
+    """
+    _check_tables(x, tables, hash_bits)
+    rows = tables[table_rows(hash_codes(x, hash_bits), hash_bits)]  # [..., K, d_out]
+    scores = hash_scores(x, hash_bits, score, temperature).to(tables.dtype)  # [..., K]
+    y = (scores.unsqueeze(-1) * rows).sum(-2)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def memory_lookup_hashed(
+    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Gather-accumulate for precomputed hashes: rows, scores [..., K] -> [..., d_out].
+
+    Lets several tables share one hash of the same input (see `MemoryLayer.hash`).
+    """
+    lead = rows.shape[:-1]
+    y = F.embedding_bag(
+        rows.reshape(-1, rows.shape[-1]),
+        tables,
+        per_sample_weights=scores.reshape(-1, scores.shape[-1]).to(tables.dtype),
+        mode="sum",
+    )
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, tables.shape[-1])
+
+
+def memory_lookup(
+    x: torch.Tensor,
+    tables: torch.Tensor,
+    bias: torch.Tensor | None,
+    hash_bits: int,
+    score: str = "paper",
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The Memory Layer, production path: same maths as `memory_lookup_reference`, no [..., K, d_out] buffer.
+
+    x: [..., K * tau], tables: [K * 2**tau, d_out], bias: [d_out] or None -> [..., d_out].
+    """
+    _check_tables(x, tables, hash_bits)
+    rows = table_rows(hash_codes(x, hash_bits), hash_bits)
+    scores = hash_scores(x, hash_bits, score, temperature)
+    return memory_lookup_hashed(rows, scores, tables, bias)

@@ -1,0 +1,101 @@
+"""The `memoryformer` command line: `memoryformer flops`, `memoryformer demo`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .configuration_memoryformer import PRESETS, MemoryFormerConfig
+
+
+def _flops(args: argparse.Namespace) -> int:
+    from .flops import comparison_table, layer_memory_table
+
+    configs = {name: MemoryFormerConfig.from_preset(name) for name in args.preset}
+    bytes_per_value = {"fp16": 2, "bf16": 2, "fp32": 4}[args.dtype]
+    print(comparison_table(configs, args.seq_len, bytes_per_value))
+    for name, config in configs.items():
+        print(f"\nMF-{name}: table memory per Memory Layer ({args.dtype})\n")
+        print(layer_memory_table(config, bytes_per_value))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Build a preset, run a forward and a short greedy generation, print the FLOPs/memory comparison."""
+    import torch
+
+    from . import MemoryFormerForCausalLM
+    from .flops import comparison_table, layer_memory_table
+
+    torch.manual_seed(args.seed)
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    config = MemoryFormerConfig.from_preset(args.preset, **overrides)
+    print(f"Building MF-{args.preset} (random init): {config.num_hidden_layers} layers, d={config.hidden_size}, "
+          f"heads={config.num_attention_heads}, tau={config.hash_bits}, K={config.num_tables}, e={config.expand_bits}")
+    start = time.perf_counter()
+    model = MemoryFormerForCausalLM(config).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    n_tables = sum(p.numel() for name, p in model.named_parameters() if name.endswith("tables"))
+    print(f"  built in {time.perf_counter() - start:.1f} s: {n_params / 1e6:.1f} M parameters, "
+          f"{n_tables / 1e6:.1f} M of them in hash tables")
+
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
+    else:
+        prompt = torch.randint(0, config.vocab_size, (1, 16))
+    with torch.inference_mode():
+        start = time.perf_counter()
+        logits = model(prompt).logits
+        forward_s = time.perf_counter() - start
+        start = time.perf_counter()
+        generated = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        generate_s = time.perf_counter() - start
+    print(f"  forward of {prompt.shape[1]} tokens: logits {tuple(logits.shape)} in {forward_s * 1e3:.0f} ms")
+    new_tokens = generated[0, prompt.shape[1]:]
+    shown = tokenizer.decode(new_tokens) if tokenizer else new_tokens.tolist()
+    print(f"  greedy generation of {args.new_tokens} tokens in {generate_s:.2f} s "
+          f"({args.new_tokens / generate_s:.1f} tokens/s, untrained weights): {shown!r}")
+    print(f"\nFLOPs and memory per block against the Pythia twin (paper Table 1 counting, fp16 tables):\n")
+    print(comparison_table({args.preset: config}, args.seq_len))
+    print()
+    print(layer_memory_table(config))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memoryformer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    flops = sub.add_parser("flops", help="FLOPs per block and table memory against the Pythia twin (paper Table 1).")
+    flops.add_argument("--preset", nargs="+", choices=PRESETS, default=list(PRESETS))
+    flops.add_argument("--seq-len", type=int, default=2048)
+    flops.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="table value type for memory")
+    flops.set_defaults(func=_flops)
+
+    demo = sub.add_parser("demo", help="Build a preset, run a forward and a generation, print FLOPs and memory.")
+    demo.add_argument("--preset", choices=PRESETS, default="tiny")
+    demo.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    demo.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: random token ids)")
+    demo.add_argument("--prompt", default="The meaning of life is")
+    demo.add_argument("--new-tokens", type=int, default=16)
+    demo.add_argument("--seq-len", type=int, default=2048, help="sequence length for the FLOPs table")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "seq_len", 1) <= 0:
+        print(f"error: --seq-len must be positive, got {args.seq_len}", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,11 +16,54 @@ This module holds the plain formulation that every faster path is checked agains
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import torch.nn.functional as F
 
 
 HASH_SCORES = ("paper", "l1")
+KERNELS = ("auto", "fused", "torch")
+_kernel_choice = os.environ.get("MEMORYFORMER_KERNEL", "auto")
+
+
+def available_kernels() -> list[str]:
+    """Implementations that can run here: "torch" always; "fused" once the compiled CPU kernel loads."""
+    return ["torch"]
+
+
+def get_kernel() -> str:
+    """The implementation Memory Layers use now: "fused" or "torch" (resolves "auto")."""
+    choice = _kernel_choice
+    if choice not in KERNELS:
+        raise ValueError(f"MEMORYFORMER_KERNEL={choice!r} is not supported; choose one of {', '.join(KERNELS)}.")
+    if choice == "auto":
+        return "fused" if "fused" in available_kernels() else "torch"
+    if choice not in available_kernels():
+        raise RuntimeError(f"The {choice!r} Memory Layer kernel is not available here; use 'torch' or 'auto'.")
+    return choice
+
+
+def set_kernel(name: str) -> None:
+    """Force an implementation for this process: "auto" (default; also MEMORYFORMER_KERNEL), "fused" or "torch"."""
+    global _kernel_choice
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {name!r}.")
+    _kernel_choice = name
+    get_kernel()
+
+
+@contextlib.contextmanager
+def use_kernel(name: str):
+    """Context manager form of `set_kernel`."""
+    global _kernel_choice
+    previous = _kernel_choice
+    set_kernel(name)
+    try:
+        yield
+    finally:
+        _kernel_choice = previous
 
 
 def num_tables_for(in_features: int, hash_bits: int) -> int:

@@ -17,7 +17,12 @@ This module holds the plain formulation that every faster path is checked agains
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import platform
+import shutil
+import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +30,12 @@ import torch.nn.functional as F
 
 HASH_SCORES = ("paper", "l1")
 KERNELS = ("auto", "fused", "torch")
-_kernel_choice = os.environ.get("MEMORYFORMER_KERNEL", "auto")
+_kernel_choice = os.environ.get("MEMORYFORMER_KERNEL", "torch")  # TEMP until validated
 
 
 def available_kernels() -> list[str]:
-    """Implementations that can run here: "torch" always; "fused" once the compiled CPU kernel loads."""
-    return ["torch"]
+    """Implementations that can run here: "torch" always, "fused" when the compiled CPU kernel loads."""
+    return ["fused", "torch"] if load_fused_kernels() else ["torch"]
 
 
 def get_kernel() -> str:
@@ -161,6 +166,16 @@ def memory_lookup_hashed(
     Lets several tables share one hash of the same input (see `MemoryLayer.hash`).
     """
     lead = rows.shape[:-1]
+    if _use_fused(tables):
+        num_tables = rows.shape[-1]
+        y = torch.ops.memoryformer_cpu.lookup(
+            rows.reshape(-1, num_tables).contiguous(),
+            scores.reshape(-1, num_tables),
+            tables.contiguous(),
+            bias,
+            tables.shape[0] // num_tables,
+        )
+        return y.reshape(*lead, tables.shape[-1])
     y = F.embedding_bag(
         rows.reshape(-1, rows.shape[-1]),
         tables,
@@ -185,6 +200,140 @@ def memory_lookup(
     x: [..., K * tau], tables: [K * 2**tau, d_out], bias: [d_out] or None -> [..., d_out].
     """
     _check_tables(x, tables, hash_bits)
+    if score not in HASH_SCORES:
+        raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
+    if _use_fused(tables) and x.device.type == "cpu":
+        lead = x.shape[:-1]
+        rows, scores = torch.ops.memoryformer_cpu.hash(
+            x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
+        )
+        y = torch.ops.memoryformer_cpu.lookup(rows, scores, tables.contiguous(), bias, 1 << hash_bits)
+        return y.reshape(*lead, tables.shape[-1])
     rows = table_rows(hash_codes(x, hash_bits), hash_bits)
     scores = hash_scores(x, hash_bits, score, temperature)
     return memory_lookup_hashed(rows, scores, tables, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The fused CPU kernels (C++ in memory_kernel_source.py), built with torch.utils.cpp_extension at first use and cached
+# in TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Without a compiler the PyTorch path runs instead.
+
+_fused_state: bool | None = None  # None: not tried yet
+
+
+def _use_fused(tables: torch.Tensor) -> bool:
+    return tables.device.type == "cpu" and get_kernel() == "fused"
+
+
+def load_fused_kernels() -> bool:
+    """Build (first time) and load the fused CPU kernels; return whether they are usable. Warns once on failure."""
+    global _fused_state
+    if _fused_state is None:
+        try:
+            _build_and_register()
+            _fused_state = True
+        except Exception as exc:  # a missing compiler, headers or ninja: fall back, say so once
+            _fused_state = False
+            warnings.warn(
+                f"MemoryFormer's fused CPU kernel could not be built ({type(exc).__name__}: {exc}); Memory Layers "
+                "use the plain PyTorch path (correct, slower). Install gcc/g++ and `pip install ninja` to enable it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _fused_state
+
+
+def _build_and_register() -> None:
+    from torch.utils.cpp_extension import load_inline
+
+    from .memory_kernel_source import CPP_SOURCE
+
+    if hasattr(torch.ops, "memoryformer_cpu") and hasattr(torch.ops.memoryformer_cpu, "lookup"):
+        return  # already loaded in this process (e.g. by another copy of this module)
+    for tool in ("c++", "ninja"):
+        if shutil.which(tool) is None and not (tool == "ninja" and _ninja_in_venv()):
+            raise RuntimeError(f"`{tool}` was not found on PATH")
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    key = "|".join([CPP_SOURCE, torch.__version__, platform.machine(), _cpu_model(), *flags])
+    name = "memoryformer_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    print("MemoryFormer: loading the fused CPU kernel (compiled once, then cached)...", file=sys.stderr, flush=True)
+    load_inline(
+        name=name,
+        cpp_sources=[CPP_SOURCE],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    _register_autograd_and_fake()
+
+
+def _ninja_in_venv() -> bool:
+    if os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja")):
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        return True
+    return False
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _register_autograd_and_fake() -> None:
+    ops = torch.ops.memoryformer_cpu
+
+    def hash_setup(ctx, inputs, output):
+        x, hash_bits, l1, temperature = inputs
+        ctx.save_for_backward(x)
+        ctx.args = (hash_bits, l1, temperature)
+
+    def hash_backward(ctx, grad_rows, grad_scores):
+        (x,) = ctx.saved_tensors
+        if grad_scores is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return ops.hash_backward(grad_scores.contiguous(), x, *ctx.args), None, None, None
+
+    def lookup_setup(ctx, inputs, output):
+        rows, scores, tables, bias, rows_per_table = inputs
+        ctx.save_for_backward(rows, scores, tables)
+        ctx.rows_per_table = rows_per_table
+
+    def lookup_backward(ctx, grad):
+        rows, scores, tables = ctx.saved_tensors
+        _, need_scores, need_tables, need_bias, _ = ctx.needs_input_grad
+        grad_scores, grad_tables = ops.lookup_backward(
+            grad.contiguous(), rows, scores, tables, ctx.rows_per_table, need_tables, need_scores
+        )
+        grad_bias = grad.sum(0) if need_bias else None
+        if grad_scores is not None and need_scores:
+            grad_scores = grad_scores.to(scores.dtype)
+        return None, grad_scores if need_scores else None, grad_tables if need_tables else None, grad_bias, None
+
+    torch.library.register_autograd("memoryformer_cpu::hash", hash_backward, setup_context=hash_setup)
+    torch.library.register_autograd("memoryformer_cpu::lookup", lookup_backward, setup_context=lookup_setup)
+
+    @torch.library.register_fake("memoryformer_cpu::hash")
+    def _hash_fake(x, hash_bits, l1, temperature):
+        shape = (x.shape[0], x.shape[1] // hash_bits)
+        return x.new_empty(shape, dtype=torch.long), x.new_empty(shape, dtype=_acc_dtype(x.dtype))
+
+    @torch.library.register_fake("memoryformer_cpu::hash_backward")
+    def _hash_backward_fake(grad_scores, x, hash_bits, l1, temperature):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("memoryformer_cpu::lookup")
+    def _lookup_fake(rows, scores, tables, bias, rows_per_table):
+        return tables.new_empty((rows.shape[0], tables.shape[1]))
+
+    @torch.library.register_fake("memoryformer_cpu::lookup_backward")
+    def _lookup_backward_fake(grad_out, rows, scores, tables, rows_per_table, need_tables, need_scores):
+        grad_scores = scores.new_empty(rows.shape, dtype=_acc_dtype(tables.dtype)) if need_scores else None
+        return grad_scores, (torch.empty_like(tables) if need_tables else None)

@@ -31,6 +31,7 @@ from .memory_ops import (
     HASH_SCORES,
     hash_codes,
     hash_scores,
+    memory_lookup,
     memory_lookup_hashed,
     num_tables_for,
     table_rows,
@@ -47,7 +48,7 @@ class MemoryFormerRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
+        hidden_states = hidden_states.to(torch.promote_types(dtype, torch.float32))  # upcast half, keep float64
         hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * hidden_states.to(dtype)
 
@@ -137,7 +138,8 @@ class MemoryLayer(nn.Module):
         if hashed is None:
             if x is None:
                 raise ValueError("MemoryLayer needs an input x or a precomputed `hashed=(rows, scores)`.")
-            hashed = self.hash(x)
+            self._check_input(x)
+            return memory_lookup(x, self.tables, self.bias, self.hash_bits, self.score, self.temperature)
         rows, scores = hashed
         if rows.shape[-1] != self.num_tables:
             raise ValueError(
@@ -375,6 +377,20 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
             init.normal_(module.tables, mean=0.0, std=self.config.table_init_std)
             if module.bias is not None:
                 init.zeros_(module.bias)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # transformers writes an `auto_map` entry only for the class being saved; write all three so that AutoConfig,
+        # AutoModel and AutoModelForCausalLM each load the folder with trust_remote_code=True.
+        if self._auto_class is not None:
+            module = type(self).__module__.split(".")[-1]
+            config_class = type(self.config)
+            self.config.auto_map = {
+                **(getattr(self.config, "auto_map", None) or {}),
+                "AutoConfig": f"{config_class.__module__.split('.')[-1]}.{config_class.__name__}",
+                "AutoModel": f"{module}.MemoryFormerModel",
+                "AutoModelForCausalLM": f"{module}.MemoryFormerForCausalLM",
+            }
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 class MemoryFormerModel(MemoryFormerPreTrainedModel):

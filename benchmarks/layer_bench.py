@@ -1,0 +1,215 @@
+"""Layer level: one MemoryLayer (every available kernel) vs the nn.Linear of the same shape.
+
+For every dtype, width d (in = out = d, hash_bits 8, bias on both) and token count N:
+- forward: `layer(x)` under torch.inference_mode, x: [N, d];
+- fwd_bwd: `y = layer(x)`, loss = (y * g).sum() with a fixed random g, then torch.autograd.grad for the
+  input, the weight (Linear) / tables (MemoryLayer) and the bias (no .grad accumulation, nothing retained).
+bfloat16: both layers hold bf16 parameters and get a bf16 input.
+
+The contestants of one (dtype, d, mode, N) cell are timed round-robin (`common.round_robin`); the
+MemoryLayer kernels share one MemoryLayer instance (same tables), switched with `use_kernel`.
+Ratio = median Linear time / median MemoryLayer time (> 1: MemoryLayer faster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from modeling_memoryformer import MemoryLayer
+from modeling_memoryformer.memory_ops import available_kernels, use_kernel
+
+from .common import (
+    NOISY_CORES,
+    Contestant,
+    cpu_snapshot,
+    environment,
+    make_progress,
+    other_cores_since,
+    round_robin,
+    summary,
+    wait_for_quiet,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = ("forward", "fwd_bwd")
+LINEAR = "Linear"
+
+
+def memory_name(kernel: str) -> str:
+    return f"MemoryLayer[{kernel}]"
+
+
+@dataclass
+class LayerSpec:
+    dims: list[int] = field(default_factory=lambda: [512, 768, 1024])
+    tokens: list[int] = field(default_factory=lambda: [1, 16, 256, 2048, 8192])
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    kernels: list[str] | None = None  # None: every available kernel
+    hash_bits: int = 8
+    repeats: int = 7
+    warmup: int = 2
+    min_sample_s: float = 0.05  # small cells loop the call so one timed sample lasts at least this long
+    seed: int = 0
+    noisy_retries: int = 2  # re-measure a cell when other processes used > NOISY_CORES cores meanwhile
+    noisy_wait_s: float = 10.0
+    quiet_wait_s: float = 60.0  # before each cell, wait up to this long for other processes to go quiet
+
+
+def _kernels(spec: LayerSpec) -> list[str]:
+    available = available_kernels()
+    wanted = spec.kernels or available
+    # "torch" first: it is the reference every other kernel is compared with.
+    return sorted((k for k in wanted if k in available), key=lambda k: (k != "torch", k))
+
+
+def _forward_fn(layer: nn.Module, x: torch.Tensor):
+    def fn():
+        return layer(x)
+
+    return fn
+
+
+def _fwd_bwd_fn(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    x = x.detach().clone().requires_grad_(True)
+    weight = layer.weight if isinstance(layer, nn.Linear) else layer.tables
+    wrt = [x, weight] + ([layer.bias] if layer.bias is not None else [])
+
+    def fn():
+        y = layer(x)
+        return torch.autograd.grad((y * g).sum(), wrt)
+
+    return fn
+
+
+def _context(kernel: str | None, mode: str):
+    def ctx():
+        stack = contextlib.ExitStack()
+        if kernel is not None:
+            stack.enter_context(use_kernel(kernel))
+        if mode == "forward":
+            stack.enter_context(torch.inference_mode())
+        return stack
+
+    return ctx
+
+
+def run(spec: LayerSpec, log=print) -> dict:
+    kernels = _kernels(spec)
+    env = environment()
+    cells = [(dt, d, mode, n) for dt in spec.dtypes for d in spec.dims for mode in spec.modes for n in spec.tokens]
+    n_contestants = 1 + len(kernels)
+    total = len(cells) * n_contestants * (max(1, spec.warmup) + spec.repeats)
+    log(
+        f"Layer level: {len(cells)} cells x {n_contestants} contestants (Linear, "
+        f"{', '.join(memory_name(k) for k in kernels)}), warm-up {max(1, spec.warmup)}, repeats {spec.repeats}"
+    )
+    start_all = time.perf_counter()
+    section_cpu = cpu_snapshot()
+    bar = make_progress(total, "layer")
+    rows: list[dict] = []
+    ratios: list[dict] = []
+    waited = 0.0
+    layers: dict = {}
+    try:
+        for dtype_name, d, mode, n in cells:
+            dtype = DTYPES[dtype_name]
+            if (dtype_name, d) not in layers:
+                layers.clear()  # keep one pair of layers alive at a time
+                torch.manual_seed(spec.seed)
+                linear = nn.Linear(d, d, bias=True, dtype=dtype)
+                memory = MemoryLayer(d, d, spec.hash_bits, bias=True, dtype=dtype)
+                layers[(dtype_name, d)] = (linear, memory)
+            linear, memory = layers[(dtype_name, d)]
+            gen = torch.Generator().manual_seed(spec.seed + n)
+            x = torch.randn(n, d, generator=gen).to(dtype)
+            g = torch.randn(n, d, generator=gen).to(dtype)
+            bar.set_postfix_str(f"{mode} {dtype_name} d={d} N={n}")
+
+            def make(layer, kernel):
+                fn = _forward_fn(layer, x) if mode == "forward" else _fwd_bwd_fn(layer, x, g)
+                name = LINEAR if kernel is None else memory_name(kernel)
+                return Contestant(name=name, fn=fn, context=_context(kernel, mode), kernel=kernel)
+
+            # A cell measured while other processes took CPU is measured again (after a pause), up to
+            # `noisy_retries` times; the attempt with the least contention is kept.
+            best = None
+            for attempt in range(1 + spec.noisy_retries):
+                if attempt:
+                    bar.total += len(contestants) * (max(1, spec.warmup) + spec.repeats)
+                    bar.set_postfix_str(f"{mode} {dtype_name} d={d} N={n} (noisy, retry {attempt})")
+                    time.sleep(spec.noisy_wait_s)
+                waited += wait_for_quiet(spec.quiet_wait_s)
+                contestants = [make(linear, None)] + [make(memory, k) for k in kernels]
+                round_robin(contestants, spec.repeats, spec.warmup, spec.min_sample_s, tick=bar.update)
+                wall = sum(c.timed_wall_s for c in contestants)
+                other = round(sum(c.other_cpu_s for c in contestants) / wall, 3) if wall > 0 else None
+                if best is None or (other is not None and best[1] is not None and other < best[1]):
+                    best = (contestants, other, attempt + 1)
+                if other is None or other <= NOISY_CORES:
+                    break
+            contestants, other, attempts = best
+
+            check = _check_against_torch(memory, x, kernels) if mode == "forward" else {}
+            cell = {"mode": mode, "dtype": dtype_name, "d": d, "tokens": n}
+            for c in contestants:
+                row = dict(cell, contestant=c.name, kernel=c.kernel, inner_loops=c.inner)
+                row["status"] = "ok" if c.samples else f"error: {c.error or 'no samples'}"
+                if c.error and c.samples:
+                    row["status"] = f"partial: {c.error}"
+                row["ms"] = summary(c.samples, 1e3)
+                row["other_cpu_cores"] = other
+                row["attempts"] = attempts
+                if c.kernel in check:
+                    row["max_abs_diff_vs_torch"] = check[c.kernel]
+                rows.append(row)
+            dense = contestants[0]
+            for c in contestants[1:]:
+                if dense.samples and c.samples:
+                    paired = [a / b for a, b in zip(dense.samples, c.samples)]
+                    ratios.append(
+                        dict(
+                            cell,
+                            kernel=c.kernel,
+                            ratio=dense.median / c.median,
+                            paired_ratio_median=statistics.median(paired),
+                        )
+                    )
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - start_all
+    log(f"Layer level done in {elapsed:.0f} s")
+    return {
+        "meta": dict(env, elapsed_s=round(elapsed, 1), other_cpu_cores=other_cores_since(section_cpu),
+                     waited_for_quiet_s=round(waited, 1)),
+        "spec": asdict(spec) | {"kernels": kernels, "noisy_cores_threshold": NOISY_CORES},
+        "rows": rows,
+        "ratios": ratios,
+    }
+
+
+def _check_against_torch(memory: MemoryLayer, x: torch.Tensor, kernels: list[str]) -> dict:
+    """max |y_kernel - y_torch| (and max |y_torch| for scale) on the benchmark input, so that a fast but wrong
+    kernel shows up in the results."""
+    out = {}
+    if "torch" not in kernels:
+        return out
+    with torch.inference_mode():
+        with use_kernel("torch"):
+            reference = memory(x).float()
+        for k in kernels:
+            if k == "torch":
+                continue
+            try:
+                with use_kernel(k):
+                    diff = float((memory(x).float() - reference).abs().max())
+                out[k] = {"max_abs_diff": diff, "max_abs_torch_output": float(reference.abs().max())}
+            except Exception as exc:  # noqa: BLE001
+                out[k] = f"{type(exc).__name__}: {exc}"
+    return out

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny MemoryFormer configs and models that build in milliseconds on CPU.
+
+The tiny shape (vocab 128, d 64, 2 layers, 4 heads, tau 4 -> K 16) keeps every test fast. The hash tables are
+initialised with a larger std than the paper's 0.02 so that attention is far from uniform and logits have clear
+argmax gaps: tests that compare two code paths then exercise real structure, and greedy decoding is not decided by
+float noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import modeling_memoryformer  # noqa: F401  (registers the Auto classes)
+from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
+from modeling_memoryformer import memory_ops
+
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    hash_bits=4,
+    expand_bits=2,
+    table_init_std=0.5,
+    initializer_range=0.5,
+    bos_token_id=None,
+    eos_token_id=None,  # no early stop: generation tests compare a fixed number of new tokens
+    pad_token_id=0,
+)
+
+
+def tiny_config(**overrides) -> MemoryFormerConfig:
+    """A tiny MemoryFormerConfig; keyword arguments override TINY."""
+    return MemoryFormerConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> MemoryFormerForCausalLM:
+    """A seeded tiny MemoryFormerForCausalLM in eval mode."""
+    torch.manual_seed(seed)
+    model = MemoryFormerForCausalLM(tiny_config(**overrides)).eval()
+    return model.to(dtype)
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def input_ids():
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(3, TINY["vocab_size"], (2, 11), generator=generator)
+
+
+@pytest.fixture(params=["fused", "torch"])
+def kernel(request):
+    """Every concrete Memory Layer implementation ("fused", "torch"); the ones not built here are skipped."""
+    name = request.param
+    if name not in memory_ops.available_kernels():
+        pytest.skip(f"the {name!r} Memory Layer kernel is not available in this environment")
+    with memory_ops.use_kernel(name):
+        yield name

@@ -14,11 +14,14 @@ Operators (namespace `memoryformer_cpu`), all on contiguous CPU tensors:
       grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>; grad_tables[r] = sum_{(n,k): rows[n,k]=r} scores * grad_y[n]
 - hash_backward(grad_scores, x, tau, l1, t) -> grad_x through the score derivative (codes are piecewise constant).
 
-Cache organisation. A token's K rows are scattered over a table far larger than L2, so the gather-accumulate walks
-the output in column blocks of 32 values and the tables in groups of G tables: the (column block x table group)
-slice of the tables (about 256 KB) stays in L2 while every token is served from it. Threads own disjoint column
-blocks, so the table gradient is accumulated without atomics or sorting; the score gradients of each thread are
-partial sums reduced at the end. Tiny problems (decode, N of a few tokens) run on one thread over whole rows.
+Design (measured on a 2-core AMD EPYC, see benchmarks/): the row gather is bounded by cache/TLB misses on tables
+far larger than L2, not by FLOPs. Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans
+in registers while prefetching the rows 16 lookups ahead; beyond that, PyTorch's embedding_bag (FBGEMM's JIT
+kernel), which measured fastest, called below autograd. Column-blocked table layouts that keep one block of all
+tables in L2 were tried and measured 2-3x slower here (per-lookup overhead on 128-byte spans dominates).
+Backward: score gradients as indexed inner products (token-parallel); table gradients by grouping lookups by row
+with a counting sort, so every gradient row is written once by one thread (no atomics, no read-modify-write), into
+memory advised for transparent huge pages (first-touch page faults otherwise cost more than the kernel).
 """
 
 CPP_SOURCE = r"""
@@ -27,6 +30,8 @@ CPP_SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -39,6 +44,7 @@ namespace {
 constexpr int64_t kCols = 256;             // output columns accumulated in registers per pass over a token's rows
 constexpr int64_t kAhead = 16;             // table rows prefetched this many lookups ahead
 constexpr int64_t kSerialWork = 1 << 18;   // below this many multiply-adds, one thread
+constexpr int64_t kSmallBatch = 64;        // up to this many tokens the forward uses our own gather kernel
 
 // exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
 // so that the compiler vectorises loops that call it.
@@ -67,6 +73,17 @@ template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
 template <typename T> inline typename Acc<T>::type to_acc(T v) { return static_cast<typename Acc<T>::type>(v); }
+
+// A fresh multi-MB gradient is new memory from the OS: first-touch faults on 4 KB pages cost more than the kernel
+// that fills it. Ask for transparent huge pages on the untouched range (honoured when THP is in `madvise` mode).
+void advise_huge_pages(void* p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+#endif
+}
 
 int64_t threads_for(int64_t work) { return work < kSerialWork ? 1 : at::get_num_threads(); }
 
@@ -202,8 +219,12 @@ void grad_scores_kernel(const typename Acc<T>::type* gy, const int64_t* rows, co
           if (k + kAhead < ahead_limit) prefetch_span(tables + rn[k + kAhead] * D + c0, w);
           const T* t = tables + rn[k] * D + c0;
           A dot = 0;
+          if (w == kCols) {
 #pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < w; ++j) dot += g[j] * to_acc(t[j]);
+            for (int64_t j = 0; j < kCols; ++j) dot += g[j] * to_acc(t[j]);
+          } else {
+            for (int64_t j = 0; j < w; ++j) dot += g[j] * to_acc(t[j]);
+          }
           gsn[k] += dot;
         }
       }
@@ -229,20 +250,36 @@ void grad_tables_kernel(const typename Acc<T>::type* gy, const int64_t* rows, co
   auto body = [=](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t e0 = st[r], e1 = st[r + 1];
+      T* row = gt + r * D;
+      if (e0 == e1) {  // never retrieved: zero gradient
+        std::memset(static_cast<void*>(row), 0, sizeof(T) * D);
+        continue;
+      }
       for (int64_t c0 = 0; c0 < D; c0 += kCols) {
         const int64_t w = std::min(kCols, D - c0);
         A acc[kCols];
-        for (int64_t j = 0; j < w; ++j) acc[j] = 0;
-        for (int64_t i = e0; i < e1; ++i) {
-          if (i + 4 < e1) prefetch_span(gy + (ord[i + 4] / K) * D + c0, w);
-          const int64_t e = ord[i];
-          const A* g = gy + (e / K) * D + c0;
-          const A s = scores[e];
+        if (w == kCols) {
+          for (int64_t j = 0; j < kCols; ++j) acc[j] = 0;
+          for (int64_t i = e0; i < e1; ++i) {
+            if (i + 4 < e1) prefetch_span(gy + (ord[i + 4] / K) * D + c0, kCols);
+            const int64_t e = ord[i];
+            const A* g = gy + (e / K) * D + c0;
+            const A s = scores[e];
 #pragma omp simd
-          for (int64_t j = 0; j < w; ++j) acc[j] += s * g[j];
+            for (int64_t j = 0; j < kCols; ++j) acc[j] += s * g[j];
+          }
+#pragma omp simd
+          for (int64_t j = 0; j < kCols; ++j) row[c0 + j] = static_cast<T>(acc[j]);
+        } else {
+          for (int64_t j = 0; j < w; ++j) acc[j] = 0;
+          for (int64_t i = e0; i < e1; ++i) {
+            const int64_t e = ord[i];
+            const A* g = gy + (e / K) * D + c0;
+            const A s = scores[e];
+            for (int64_t j = 0; j < w; ++j) acc[j] += s * g[j];
+          }
+          for (int64_t j = 0; j < w; ++j) row[c0 + j] = static_cast<T>(acc[j]);
         }
-        T* o = gt + r * D + c0;
-        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
       }
     }
   };
@@ -296,6 +333,14 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
   auto s = scores.to(acc).contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
+  if (N > kSmallBatch && tables.scalar_type() != at::kDouble) {
+    // Many tokens: PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel) is the
+    // fastest row gather-accumulate we have measured on CPU; it runs here below autograd, without its backward.
+    auto offsets = at::arange(0, N * K, K, rows.options());
+    auto bag = std::get<0>(at::embedding_bag(tables, rows.reshape({-1}), offsets, /*scale_grad_by_freq=*/false,
+                                             /*mode=sum*/ 0, /*sparse=*/false, s.to(tables.scalar_type()).reshape({-1})));
+    return b.defined() ? bag.add_(b) : bag;
+  }
   auto out = at::empty({N, D}, tables.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
     using A = typename Acc<scalar_t>::type;
@@ -317,7 +362,10 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out
   auto s = scores.to(acc).contiguous();
   at::Tensor gscores, gtables;
   if (need_scores) gscores = at::empty({N, K}, tables.options().dtype(acc));
-  if (need_tables) gtables = at::empty_like(tables);
+  if (need_tables) {
+    gtables = at::empty_like(tables);
+    advise_huge_pages(gtables.data_ptr(), gtables.nbytes());
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bwd", [&] {
     using A = typename Acc<scalar_t>::type;
     if (need_scores)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 HASH_SCORES = ("paper", "l1")
 KERNELS = ("auto", "fused", "torch")
-_kernel_choice = os.environ.get("MEMORYFORMER_KERNEL", "torch")  # TEMP until validated
+_kernel_choice = os.environ.get("MEMORYFORMER_KERNEL", "auto")
 
 
 def available_kernels() -> list[str]:
@@ -166,6 +166,11 @@ def memory_lookup_hashed(
     Lets several tables share one hash of the same input (see `MemoryLayer.hash`).
     """
     lead = rows.shape[:-1]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= tables.shape[0]):
+        raise ValueError(
+            f"rows must index the {tables.shape[0]} table rows; got values in [{int(rows.min())}, {int(rows.max())}]. "
+            "Pass the rows returned by MemoryLayer.hash() of a layer with the same in_features and hash_bits."
+        )
     if _use_fused(tables):
         num_tables = rows.shape[-1]
         y = torch.ops.memoryformer_cpu.lookup(

@@ -151,16 +151,16 @@ def comparison_table(configs: dict[str, object], seq_len: int, bytes_per_value: 
 def layer_memory_table(config, bytes_per_value: int = 2) -> str:
     """Markdown table of table memory per Memory Layer of one block."""
     lines = [
-        "| Memory Layer | d_in -> d_out | tau | K | table shape | memory |",
-        "|---|---|---|---|---|---|",
+        "| Memory Layer | d_in -> d_out | tau | K | table shape | bytes | memory |",
+        "|---|---|---|---|---|---|---|",
     ]
     for layer in memory_layers(config):
         lines.append(
             f"| {layer.name} | {layer.in_features} -> {layer.out_features} | {layer.hash_bits} | {layer.num_tables} "
             f"| {layer.num_tables} x [{2**layer.hash_bits} x {layer.out_features}] "
-            f"| {_mb(layer.table_values * bytes_per_value)} |"
+            f"| {layer.table_values * bytes_per_value:,} | {_mb(layer.table_values * bytes_per_value)} |"
         )
     memory = table_memory(config, bytes_per_value)
-    lines.append(f"| Memory Block (layer1 + layer2) | | | | | {_mb(memory['memory_block'])} |")
-    lines.append(f"| whole block | | | | | {_mb(memory['block'])} |")
+    lines.append(f"| Memory Block (layer1 + layer2) | | | | | {memory['memory_block']:,} | {_mb(memory['memory_block'])} |")
+    lines.append(f"| whole block | | | | | {memory['block']:,} | {_mb(memory['block'])} |")
     return "\n".join(lines)

@@ -165,12 +165,20 @@ def memory_lookup_hashed(
 
     Lets several tables share one hash of the same input (see `MemoryLayer.hash`).
     """
+    if not torch.compiler.is_compiling() and rows.numel():
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= tables.shape[0]:
+            raise ValueError(
+                f"rows must index the {tables.shape[0]} table rows; got values in [{low}, {high}]. Pass the rows "
+                "returned by MemoryLayer.hash() of a layer with the same in_features and hash_bits."
+            )
+    return _gather_accumulate(rows, scores, tables, bias)
+
+
+def _gather_accumulate(
+    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     lead = rows.shape[:-1]
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= tables.shape[0]):
-        raise ValueError(
-            f"rows must index the {tables.shape[0]} table rows; got values in [{int(rows.min())}, {int(rows.max())}]. "
-            "Pass the rows returned by MemoryLayer.hash() of a layer with the same in_features and hash_bits."
-        )
     if _use_fused(tables):
         num_tables = rows.shape[-1]
         y = torch.ops.memoryformer_cpu.lookup(
@@ -216,7 +224,7 @@ def memory_lookup(
         return y.reshape(*lead, tables.shape[-1])
     rows = table_rows(hash_codes(x, hash_bits), hash_bits)
     scores = hash_scores(x, hash_bits, score, temperature)
-    return memory_lookup_hashed(rows, scores, tables, bias)
+    return _gather_accumulate(rows, scores, tables, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -227,7 +235,11 @@ _fused_state: bool | None = None  # None: not tried yet
 
 
 def _use_fused(tables: torch.Tensor) -> bool:
-    return tables.device.type == "cpu" and get_kernel() == "fused"
+    if tables.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling():  # no building or file checks while tracing: use what is already loaded
+        return _fused_state is True and _kernel_choice in ("auto", "fused")
+    return get_kernel() == "fused"
 
 
 def load_fused_kernels() -> bool:

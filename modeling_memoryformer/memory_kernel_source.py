@@ -98,7 +98,26 @@ template <typename T> inline void prefetch_span(const T* p, int64_t w) {
 }
 
 // ------------------------------------------------------------------------------------------------ hashing
-// Per token: the values of the token in the accumulation type, their |.|, exp(-2|z|/t) and the ">= 0" bits.
+// One token's values z in the accumulation type, a = |z| and e = exp(-c|z|) with c = 2/t (vectorised).
+template <typename X, typename A>
+inline void token_terms(const X* xn, int64_t D, A c, A* z, A* a, A* e) {
+  for (int64_t i = 0; i < D; ++i) z[i] = to_acc(xn[i]);
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) {
+    a[i] = std::abs(z[i]);
+    e[i] = exp_nonpos(-c * a[i]);
+  }
+}
+
+// Over one chunk of tau values: prod = prod_i (1 + e_i) (so p = 1 / prod; each factor in (1, 2], no overflow) and
+// norm = ||z||_1.
+template <typename A>
+inline void chunk_prod_norm(const A* e, const A* a, int64_t tau, A& prod, A& norm) {
+  prod = 1;
+  norm = 0;
+  for (int64_t i = 0; i < tau; ++i) { prod *= A(1) + e[i]; norm += a[i]; }
+}
+
 template <typename X>
 void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64_t N, int64_t K, int64_t tau,
                  bool l1, double temperature) {
@@ -106,25 +125,19 @@ void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64
   const int64_t D = K * tau;
   const A c = static_cast<A>(2.0 / temperature);
   parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), a(D), f(D);
+    std::vector<A> z(D), a(D), e(D);
     std::vector<uint64_t> bits(D / 64 + 2);
     const uint64_t mask = (uint64_t(1) << tau) - 1;
     for (int64_t n = begin; n < end; ++n) {
-      const X* xn = x + n * D;
-      for (int64_t i = 0; i < D; ++i) z[i] = to_acc(xn[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) {
-        a[i] = std::abs(z[i]);
-        f[i] = A(1) + exp_nonpos(-c * a[i]);
-      }
+      token_terms(x + n * D, D, c, z.data(), a.data(), e.data());
       std::fill(bits.begin(), bits.end(), 0);
       for (int64_t i = 0; i < D; ++i) bits[i >> 6] |= uint64_t(z[i] >= A(0)) << (i & 63);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t b = k * tau;
         uint64_t word = bits[b >> 6] >> (b & 63);
         if ((b & 63) + tau > 64) word |= bits[(b >> 6) + 1] << (64 - (b & 63));
-        A prod = 1, norm = 0;
-        for (int64_t i = 0; i < tau; ++i) { prod *= f[b + i]; norm += a[b + i]; }
+        A prod, norm;
+        chunk_prod_norm(e.data() + b, a.data() + b, tau, prod, norm);
         rows[n * K + k] = (k << tau) + int64_t(word & mask);
         scores[n * K + k] = l1 ? norm / prod : A(1) / prod;   // p = 1 / prod(1 + exp(-2|z|/t)), prod in [1, 2^tau]
       }
@@ -139,19 +152,14 @@ void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, in
   const int64_t D = K * tau;
   const A c = static_cast<A>(2.0 / temperature);
   parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> e(D), a(D), sg(D);
+    std::vector<A> z(D), a(D), e(D), sg(D);
     for (int64_t n = begin; n < end; ++n) {
-      const X* xn = x + n * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const A v = to_acc(xn[i]);
-        a[i] = std::abs(v);
-        sg[i] = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) e[i] = exp_nonpos(-c * a[i]);
+      token_terms(x + n * D, D, c, z.data(), a.data(), e.data());
+      for (int64_t i = 0; i < D; ++i)
+        sg[i] = z[i] > A(0) ? A(1) : (z[i] < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
       for (int64_t k = 0; k < K; ++k) {
-        A prod = 1, norm = 0;
-        for (int64_t i = 0; i < tau; ++i) { prod *= A(1) + e[k * tau + i]; norm += a[k * tau + i]; }
+        A prod, norm;
+        chunk_prod_norm(e.data() + k * tau, a.data() + k * tau, tau, prod, norm);
         const A p = A(1) / prod;
         const A g = gs[n * K + k];
         for (int64_t i = 0; i < tau; ++i) {

@@ -98,26 +98,10 @@ template <typename T> inline void prefetch_span(const T* p, int64_t w) {
 }
 
 // ------------------------------------------------------------------------------------------------ hashing
-// One token's values z in the accumulation type, a = |z| and e = exp(-c|z|) with c = 2/t (vectorised).
-template <typename X, typename A>
-inline void token_terms(const X* xn, int64_t D, A c, A* z, A* a, A* e) {
-  for (int64_t i = 0; i < D; ++i) z[i] = to_acc(xn[i]);
-#pragma omp simd
-  for (int64_t i = 0; i < D; ++i) {
-    a[i] = std::abs(z[i]);
-    e[i] = exp_nonpos(-c * a[i]);
-  }
-}
-
-// Over one chunk of tau values: prod = prod_i (1 + e_i) (so p = 1 / prod; each factor in (1, 2], no overflow) and
-// norm = ||z||_1.
-template <typename A>
-inline void chunk_prod_norm(const A* e, const A* a, int64_t tau, A& prod, A& norm) {
-  prod = 1;
-  norm = 0;
-  for (int64_t i = 0; i < tau; ++i) { prod *= A(1) + e[i]; norm += a[i]; }
-}
-
+// Vectorised across the K chunks of a token (lane k reads value i of chunk k, a stride-tau gather), so exp, the
+// product, the norm and the code bits of 16 chunks are computed at once. prod = prod_i (1 + e_i), multiplied in
+// order i = 0..tau-1 here and in the backward, so both see bit-identical scores; p = 1 / prod and each factor lies
+// in (1, 2], so nothing overflows.
 template <typename X>
 void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64_t N, int64_t K, int64_t tau,
                  bool l1, double temperature) {
@@ -125,21 +109,31 @@ void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64
   const int64_t D = K * tau;
   const A c = static_cast<A>(2.0 / temperature);
   parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), a(D), e(D);
-    std::vector<uint64_t> bits(D / 64 + 2);
-    const uint64_t mask = (uint64_t(1) << tau) - 1;
+    std::vector<A> z(D), prod(K), norm(K);
+    std::vector<int32_t> code(K);
     for (int64_t n = begin; n < end; ++n) {
-      token_terms(x + n * D, D, c, z.data(), a.data(), e.data());
-      std::fill(bits.begin(), bits.end(), 0);
-      for (int64_t i = 0; i < D; ++i) bits[i >> 6] |= uint64_t(z[i] >= A(0)) << (i & 63);
+      for (int64_t i = 0; i < D; ++i) z[i] = to_acc(x[n * D + i]);
+      A* pr = prod.data();
+      A* nm = norm.data();
+      int32_t* cd = code.data();
+      const A* zz = z.data();
+      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); cd[k] = 0; }
+      for (int64_t i = 0; i < tau; ++i) {
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) {
+          const A v = zz[k * tau + i];
+          const A a = std::abs(v);
+          pr[k] *= A(1) + exp_nonpos(-c * a);
+          nm[k] += a;
+          cd[k] |= int32_t(v >= A(0)) << i;
+        }
+      }
+      int64_t* rn = rows + n * K;
+      A* sn = scores + n * K;
+#pragma omp simd
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t b = k * tau;
-        uint64_t word = bits[b >> 6] >> (b & 63);
-        if ((b & 63) + tau > 64) word |= bits[(b >> 6) + 1] << (64 - (b & 63));
-        A prod, norm;
-        chunk_prod_norm(e.data() + b, a.data() + b, tau, prod, norm);
-        rows[n * K + k] = (k << tau) + int64_t(word & mask);
-        scores[n * K + k] = l1 ? norm / prod : A(1) / prod;   // p = 1 / prod(1 + exp(-2|z|/t)), prod in [1, 2^tau]
+        rn[k] = (k << tau) + cd[k];
+        sn[k] = (l1 ? nm[k] : A(1)) / pr[k];   // p = 1 / prod(1 + exp(-2|z|/t)), prod in [1, 2^tau]
       }
     }
   });
@@ -152,22 +146,35 @@ void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, in
   const int64_t D = K * tau;
   const A c = static_cast<A>(2.0 / temperature);
   parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), a(D), e(D), sg(D);
+    std::vector<A> z(D), e(D), prod(K), norm(K);
     for (int64_t n = begin; n < end; ++n) {
-      token_terms(x + n * D, D, c, z.data(), a.data(), e.data());
-      for (int64_t i = 0; i < D; ++i)
-        sg[i] = z[i] > A(0) ? A(1) : (z[i] < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
+      for (int64_t i = 0; i < D; ++i) z[i] = to_acc(x[n * D + i]);
+      A* pr = prod.data();
+      A* nm = norm.data();
+      A* ee = e.data();
+      const A* zz = z.data();
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) ee[j] = exp_nonpos(-c * std::abs(zz[j]));
+      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); }
+      for (int64_t i = 0; i < tau; ++i) {   // the forward's scores, recomputed in the same order (see hash_kernel)
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) {
+          pr[k] *= A(1) + ee[k * tau + i];
+          nm[k] += std::abs(zz[k * tau + i]);
+        }
+      }
+      const A* g = gs + n * K;
+      X* gxn = gx + n * D;
       for (int64_t k = 0; k < K; ++k) {
-        A prod, norm;
-        chunk_prod_norm(e.data() + k * tau, a.data() + k * tau, tau, prod, norm);
-        const A p = A(1) / prod;
-        const A g = gs[n * K + k];
+        const A p = A(1) / pr[k], gk = g[k], nk = nm[k];
+#pragma omp simd
         for (int64_t i = 0; i < tau; ++i) {
           const int64_t j = k * tau + i;
+          const A v = zz[j];
+          const A sg = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
           // d p / d z_j = p * (2/t) * sign(z_j) * e_j / (1 + e_j)
-          const A dp = p * c * sg[j] * e[j] / (A(1) + e[j]);
-          const A ds = l1 ? sg[j] * p + norm * dp : dp;
-          gx[n * D + j] = static_cast<X>(g * ds);
+          const A dp = p * c * sg * ee[j] / (A(1) + ee[j]);
+          gxn[j] = static_cast<X>(gk * (l1 ? sg * p + nk * dp : dp));
         }
       }
     }

@@ -1,0 +1,420 @@
+"""Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer: `memoryformer convert --from SRC --out DIR`.
+
+Pipeline (each step is its own module):
+
+    convert_mapping   config and weights that carry over; the dense layers each Memory Layer replaces
+    convert_tables    least-squares tables: data-free closed form, calibrated ridge fit (formulas there)
+    convert_init      which input model / calibration data each Memory Layer of a block gets
+    convert_distill   optional distillation, KL(teacher || student) through transformers.Trainer
+    convert_evaluate  per-layer relative errors and held-out perplexity
+
+The output folder holds the MemoryFormer (`save_pretrained`, safetensors, remote code), the tokenizer when there is
+one, `conversion_report.json`, `conversion_report.md` and `layer_errors.png`. It is written to a temporary sibling
+folder and renamed at the end, so a failed conversion leaves nothing behind; every check on the source, the options
+and the output path runs before anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .convert_distill import TrainingBudget, train_student
+from .convert_evaluate import layer_errors, perplexity
+from .convert_init import calibrate, data_free_init
+from .convert_mapping import (
+    MEMORY_LAYER_NAMES,
+    ConversionError,
+    copy_dense_weights,
+    dense_layers,
+    memoryformer_config_from_gpt_neox,
+)
+
+
+INITS = ("data-free", "calibrated")
+SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")))
+
+
+@dataclass
+class ConvertSettings:
+    """Options of `memoryformer convert` (see `add_convert_arguments` for their meaning)."""
+
+    source: str
+    out: str
+    init: str | None = None  # None: "calibrated" when calib_text is given, else "data-free"
+    calib_text: str | None = None
+    eval_text: str | None = None  # None: the last eval_fraction of calib_text is held out
+    eval_fraction: float = 0.1
+    tokenizer: str | None = None  # None: the source folder's tokenizer
+    hash_bits: int = 8
+    hash_temperature: float = 1.0
+    seq_len: int = 128
+    calib_tokens: int = 32768
+    eval_tokens: int = 16384
+    ridge: float = 1e-3
+    sweeps: int = 10
+    tolerance: float = 1e-3
+    distill_steps: int = 0
+    distill_cpu_minutes: float | None = None
+    distill_lr: float = 1e-3
+    batch_size: int = 8
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+
+    @property
+    def resolved_init(self) -> str:
+        return self.init or ("calibrated" if self.calib_text else "data-free")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks: everything that can be known before loading weights or writing a byte
+
+
+def check_settings(settings: ConvertSettings):
+    """Validate options, output path and source config; return (source GPTNeoXConfig, MemoryFormerConfig)."""
+    if settings.init not in (None, *INITS):
+        raise ConversionError(f"--init {settings.init!r} is not supported; choose one of {', '.join(INITS)}.")
+    if settings.resolved_init == "calibrated" and not settings.calib_text:
+        raise ConversionError("--init calibrated needs calibration text: pass --calib-text FILE (plain text).")
+    if settings.distill_steps and not settings.calib_text:
+        raise ConversionError("--distill-steps needs training text: pass --calib-text FILE (plain text).")
+    for flag, path in (("--calib-text", settings.calib_text), ("--eval-text", settings.eval_text)):
+        if path is not None and not os.path.isfile(path):
+            raise ConversionError(f"{flag} {path!r} is not a file. Pass a plain-text file.")
+    _check_positive(settings)
+    out = os.path.abspath(settings.out)
+    if os.path.exists(out) and not (settings.overwrite and os.path.isdir(out)):
+        raise ConversionError(
+            f"--out {settings.out!r} already exists. Choose a new folder, or pass --overwrite to replace a folder."
+        )
+    source_config = load_source_config(settings.source)
+    config = memoryformer_config_from_gpt_neox(source_config, settings.hash_bits, settings.hash_temperature)
+    return source_config, config
+
+
+def _check_positive(settings: ConvertSettings) -> None:
+    for flag, value, low in (
+        ("--seq-len", settings.seq_len, 2),
+        ("--calib-tokens", settings.calib_tokens, settings.seq_len),
+        ("--eval-tokens", settings.eval_tokens, settings.seq_len),
+        ("--sweeps", settings.sweeps, 1),
+        ("--batch-size", settings.batch_size, 1),
+        ("--distill-steps", settings.distill_steps, 0),
+    ):
+        if not isinstance(value, int) or value < low:
+            raise ConversionError(f"{flag} must be an integer >= {low}, got {value!r}.")
+    if not 0 < settings.eval_fraction < 1:
+        raise ConversionError(f"--eval-fraction must be in (0, 1), got {settings.eval_fraction!r}.")
+    if not settings.ridge >= 0:
+        raise ConversionError(f"--ridge must be >= 0, got {settings.ridge!r}.")
+
+
+def load_source_config(source: str):
+    """The source's config: a local folder with config.json, or a Hub id through the normal `from_pretrained` path."""
+    from transformers import AutoConfig
+
+    if os.path.exists(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise ConversionError(f"--from {source!r} is not a model folder: it has no config.json.")
+    if not os.path.exists(source) and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise ConversionError(f"--from {source!r} does not exist. Pass a GPT-NeoX model folder or a Hub id.")
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConversionError(
+            f"Could not load the config of --from {source!r} (a local folder or a Hub id): {error}"
+        ) from error
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def text_blocks(text: str, tokenizer, seq_len: int) -> torch.Tensor:
+    """Tokenise `text` and cut it into consecutive non-overlapping sequences: LongTensor [S, seq_len] (the tail that
+    does not fill a sequence is dropped)."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
+    usable = ids.numel() // seq_len * seq_len
+    return ids[:usable].view(-1, seq_len)
+
+
+def split_text(settings: ConvertSettings) -> tuple[str, str | None]:
+    """(training / calibration text, held-out text): --eval-text when given, else the last eval_fraction of the
+    calibration text (split by characters, the first part for calibration and distillation)."""
+    with open(settings.calib_text, encoding="utf-8") as f:
+        text = f.read()
+    if settings.eval_text:
+        with open(settings.eval_text, encoding="utf-8") as f:
+            return text, f.read()
+    cut = int(len(text) * (1 - settings.eval_fraction))
+    return text[:cut], text[cut:]
+
+
+def sample_blocks(blocks: torch.Tensor, max_tokens: int, seed: int) -> torch.Tensor:
+    """At most max_tokens worth of sequences, drawn without replacement (seeded), in their original order."""
+    count = min(blocks.shape[0], max_tokens // blocks.shape[1])
+    chosen = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(seed))[:count]
+    return blocks[chosen.sort().values]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The pipeline
+
+
+def convert_pythia(settings: ConvertSettings) -> dict:
+    """Run the conversion and write the output folder; returns the report (also saved as conversion_report.json)."""
+    _, config = check_settings(settings)
+    teacher, tokenizer = _load_teacher(settings)
+    data = _load_data(settings, tokenizer)
+    torch.manual_seed(settings.seed)
+    report = {"source": settings.source, "settings": asdict(settings), "init": settings.resolved_init, "stages": {}}
+    report["data"] = {name: int(ids.numel()) for name, ids in data.items()}
+    report["config"] = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                        "hash_bits", "num_tables", "hash_temperature")}
+    student = _convert(config, teacher, data, settings, report)
+    _write_output(student, tokenizer, report, settings)
+    return report
+
+
+def _load_teacher(settings: ConvertSettings):
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    try:
+        teacher = GPTNeoXForCausalLM.from_pretrained(settings.source, dtype=torch.float32).eval()
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"Could not load the weights of --from {settings.source!r}: {error}") from error
+    tokenizer = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or settings.source)
+    except (OSError, ValueError, TypeError) as error:
+        if settings.tokenizer or settings.calib_text:
+            raise ConversionError(
+                f"Could not load a tokenizer from {settings.tokenizer or settings.source!r} ({error}); the text "
+                "options need one. Pass --tokenizer PATH."
+            ) from error
+    return teacher, tokenizer
+
+
+def _load_data(settings: ConvertSettings, tokenizer) -> dict[str, torch.Tensor]:
+    """Token sequences: "train" (all of the training text), "calibration" (a capped sample of it), "eval"."""
+    if not settings.calib_text:
+        return {}
+    train_text, eval_text = split_text(settings)
+    train = text_blocks(train_text, tokenizer, settings.seq_len)
+    held_out = text_blocks(eval_text, tokenizer, settings.seq_len)
+    if train.shape[0] == 0 or held_out.shape[0] == 0:
+        raise ConversionError(
+            f"The text gives {train.numel()} training and {held_out.numel()} held-out tokens: both need at least one "
+            f"sequence of --seq-len {settings.seq_len}. Use more text or a shorter --seq-len."
+        )
+    return {
+        "train": train,
+        "calibration": sample_blocks(train, settings.calib_tokens, settings.seed),
+        "eval": held_out[: max(1, settings.eval_tokens // settings.seq_len)],
+    }
+
+
+def _convert(config, teacher, data: dict[str, torch.Tensor], settings: ConvertSettings, report: dict):
+    from .modeling_memoryformer import MemoryFormerForCausalLM
+
+    dense = dense_layers(teacher)
+    stages = report["stages"]
+    evaluate = _Evaluator(dense, data.get("eval"), settings)
+    stages["teacher"] = evaluate.perplexity_only(teacher)
+    stages["random_init"] = evaluate(MemoryFormerForCausalLM(config).eval())
+    student = MemoryFormerForCausalLM(config).eval()
+    copy_dense_weights(teacher, student)
+    stages["random_tables"] = evaluate(student)
+    with _Stopwatch() as clock:
+        data_free_init(student, dense)
+    stages["data_free"] = {**evaluate(student), **clock.seconds}
+    if settings.resolved_init == "calibrated":
+        with _Stopwatch() as clock:
+            fit = calibrate(student, dense, data["calibration"], settings.ridge, settings.sweeps, settings.tolerance,
+                            batch_size=settings.batch_size, progress=settings.progress)
+        stages["calibrated"] = {**evaluate(student), **clock.seconds, "fit": fit}
+    if settings.distill_steps:
+        budget = TrainingBudget(settings.distill_steps, settings.distill_cpu_minutes, settings.distill_lr,
+                                settings.batch_size, seed=settings.seed)
+        run = train_student(student, data["train"], budget, teacher=teacher)
+        stages["distilled"] = {**evaluate(student), "training": run}
+    report["final_stage"] = list(stages)[-1]
+    return student
+
+
+class _Evaluator:
+    """Held-out perplexity and per-layer errors of a stage (nothing when there is no held-out text)."""
+
+    def __init__(self, dense, eval_ids: torch.Tensor | None, settings: ConvertSettings):
+        self.dense, self.eval_ids, self.settings = dense, eval_ids, settings
+
+    def perplexity_only(self, model) -> dict:
+        if self.eval_ids is None:
+            return {}
+        return {"perplexity": perplexity(model, self.eval_ids, self.settings.batch_size, self.settings.progress)}
+
+    def __call__(self, student) -> dict:
+        if self.eval_ids is None:
+            return {}
+        errors = layer_errors(student, self.dense, self.eval_ids, self.settings.batch_size, self.settings.progress)
+        return {**self.perplexity_only(student), "layer_errors": errors}
+
+
+class _Stopwatch:
+    """Process CPU time and wall time of a `with` block, as {"cpu_seconds", "wall_seconds"} in `.seconds`."""
+
+    def __enter__(self):
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = {"cpu_seconds": time.process_time() - self._cpu, "wall_seconds": time.perf_counter() - self._wall}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _write_output(student, tokenizer, report: dict, settings: ConvertSettings) -> None:
+    """Write everything into a temporary sibling of --out, then rename it into place (replacing an old folder only
+    with --overwrite, and only once the new one is complete)."""
+    out = os.path.abspath(settings.out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".incomplete", dir=parent)
+    try:
+        student.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        write_report(report, staging)
+        if os.path.exists(out):  # --overwrite, checked before the conversion started
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_report(report: dict, folder: str) -> None:
+    """conversion_report.json, conversion_report.md and (with matplotlib) layer_errors.png in `folder`."""
+    with open(os.path.join(folder, "conversion_report.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(folder, "conversion_report.md"), "w", encoding="utf-8") as f:
+        f.write(report_markdown(report))
+    plot_layer_errors(report, os.path.join(folder, "layer_errors.png"))
+
+
+def report_markdown(report: dict) -> str:
+    """The summary: held-out perplexity per stage, then the relative error of every Memory Layer per stage."""
+    stages = report["stages"]
+    lines = [f"# Conversion of `{report['source']}` ({report['init']} init)", ""]
+    teacher = stages.get("teacher", {}).get("perplexity")
+    if teacher is None:
+        return "\n".join(lines + ["No held-out text was given: no perplexity or per-layer errors measured.", ""])
+    lines += ["| stage | held-out perplexity | / teacher |", "|---|---|---|"]
+    for name, stage in stages.items():
+        lines.append(f"| {name} | {stage['perplexity']:.2f} | {stage['perplexity'] / teacher:.2f}x |")
+    with_errors = [name for name, stage in stages.items() if "layer_errors" in stage]
+    lines += ["", "Relative L2 error of each Memory Layer against the dense layer it replaces (held-out tokens):", ""]
+    lines += ["| layer | " + " | ".join(with_errors) + " |", "|---" * (len(with_errors) + 1) + "|"]
+    for block, names in enumerate(stages[with_errors[0]]["layer_errors"]):
+        for name in names:
+            values = " | ".join(f"{stages[s]['layer_errors'][block][name]:.3f}" for s in with_errors)
+            lines.append(f"| {block}.{SHORT_NAMES[name]} | {values} |")
+    return "\n".join(lines + [""])
+
+
+def plot_layer_errors(report: dict, path: str) -> bool:
+    """Per-layer relative errors, one line per stage; returns False (and writes nothing) without matplotlib or data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    stages = {name: s["layer_errors"] for name, s in report["stages"].items() if "layer_errors" in s}
+    if not stages:
+        return False
+    labels = [f"{block}.{SHORT_NAMES[name]}" for block, names in enumerate(next(iter(stages.values()))) for name in names]
+    figure, axis = plt.subplots(figsize=(max(6, 0.45 * len(labels)), 4))
+    for name, errors in stages.items():
+        axis.plot(labels, [value for block in errors for value in block.values()], marker="o", label=name)
+    axis.set_ylabel("relative L2 error vs dense layer")
+    axis.set_xlabel("block.Memory Layer")
+    axis.set_title("Memory Layer errors on held-out tokens")
+    axis.tick_params(axis="x", rotation=60)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `memoryformer convert` (and of conversion/convert_pythia.py)."""
+    defaults = ConvertSettings(source="", out="")
+    parser.add_argument("--from", dest="source", required=True, help="GPT-NeoX model folder (safetensors) or Hub id")
+    parser.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("--init", choices=INITS, default=None,
+                        help="table initialisation (default: calibrated with --calib-text, else data-free)")
+    parser.add_argument("--calib-text", default=None, help="plain-text file for calibration and distillation")
+    parser.add_argument("--eval-text", default=None,
+                        help="held-out plain text (default: the last --eval-fraction of --calib-text)")
+    parser.add_argument("--eval-fraction", type=float, default=defaults.eval_fraction)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the source's)")
+    parser.add_argument("--hash-bits", type=int, default=defaults.hash_bits, help="tau; must divide d and 4d")
+    parser.add_argument("--hash-temperature", type=float, default=defaults.hash_temperature)
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--calib-tokens", type=int, default=defaults.calib_tokens,
+                        help="calibration tokens per fit (bounds the fit's memory)")
+    parser.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens)
+    parser.add_argument("--ridge", type=float, default=defaults.ridge,
+                        help="ridge strength relative to the mean diagonal of the design's normal matrix")
+    parser.add_argument("--sweeps", type=int, default=defaults.sweeps, help="max block-coordinate sweeps per layer")
+    parser.add_argument("--tolerance", type=float, default=defaults.tolerance)
+    parser.add_argument("--distill-steps", type=int, default=defaults.distill_steps)
+    parser.add_argument("--distill-cpu-minutes", type=float, default=None, help="stop distillation at this CPU time")
+    parser.add_argument("--distill-lr", type=float, default=defaults.distill_lr)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """`memoryformer convert`: 0 on success, 2 (with the reason on stderr) when the input cannot be converted."""
+    fields = ConvertSettings.__dataclass_fields__
+    settings = ConvertSettings(**{name: value for name, value in vars(args).items() if name in fields})
+    try:
+        report = convert_pythia(settings)
+    except ConversionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(report_markdown(report))
+    print(f"Saved the MemoryFormer and its report to {os.path.abspath(settings.out)}")
+    return 0
+
+
+__all__ = [
+    "ConvertSettings",
+    "ConversionError",
+    "add_convert_arguments",
+    "check_settings",
+    "convert_pythia",
+    "run_convert",
+    "text_blocks",
+]

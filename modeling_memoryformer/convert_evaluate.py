@@ -1,0 +1,63 @@
+"""How close a converted MemoryFormer is to its teacher: per-layer errors and held-out perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from .convert_mapping import MEMORY_LAYER_NAMES, DenseLayer
+
+
+@torch.no_grad()
+def layer_errors(
+    student: nn.Module,
+    dense_blocks: list[dict[str, DenseLayer]],
+    input_ids: torch.Tensor,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> list[dict[str, float]]:
+    """Relative L2 error ||y_memory - y_dense|| / ||y_dense|| of every Memory Layer, over all tokens of `input_ids`
+    [S, T] run through `student`: each dense layer gets the same input its Memory Layer receives in the student (for
+    layer2, the inner norm's input GELU(u)). Returns one {name: error} per block."""
+    squared_error = torch.zeros(len(dense_blocks), len(MEMORY_LAYER_NAMES), dtype=torch.float64)
+    squared_norm = torch.zeros_like(squared_error)
+    handles = []
+    for block, (layer, dense) in enumerate(zip(student.model.layers, dense_blocks)):
+        inner_input = {}
+        handles.append(layer.memory_block.norm.register_forward_pre_hook(lambda m, args, s=inner_input: s.update(x=args[0])))
+        for column, name in enumerate(MEMORY_LAYER_NAMES):
+            source = inner_input if name == "memory_block.layer2" else None
+
+            def accumulate(module, args, output, at=(block, column), target=dense[name], source=source):
+                expected = target(source["x"] if source is not None else args[0])
+                squared_error[at] += (output - expected).double().pow(2).sum()
+                squared_norm[at] += expected.double().pow(2).sum()
+
+            handles.append(layer.get_submodule(name).register_forward_hook(accumulate))
+    try:
+        for ids in tqdm(input_ids.split(batch_size), desc="per-layer errors", disable=not progress, leave=False):
+            student(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    errors = (squared_error / squared_norm.clamp_min(1e-300)).sqrt()
+    return [dict(zip(MEMORY_LAYER_NAMES, row.tolist())) for row in errors]
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 16, progress: bool = False) -> float:
+    """exp(mean next-token cross-entropy) over every position of the sequences `input_ids` [S, T] (each sequence on
+    its own, no context carried over)."""
+    total, count = 0.0, 0
+    for ids in tqdm(input_ids.split(batch_size), desc="perplexity", disable=not progress, leave=False):
+        logits = model(ids).logits[:, :-1].float()
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").item()
+        count += ids[:, 1:].numel()
+    return math.exp(total / count)
+
+
+__all__ = ["layer_errors", "perplexity"]

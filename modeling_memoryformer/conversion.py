@@ -17,6 +17,7 @@ and the output path runs before anything is loaded or written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -59,8 +60,8 @@ class ConvertSettings:
     seq_len: int = 128
     calib_tokens: int = 32768
     eval_tokens: int = 16384
-    ridge: float = 1e-3
-    sweeps: int = 10
+    ridge: float = 0.1
+    sweeps: int = 20
     tolerance: float = 1e-3
     distill_steps: int = 0
     distill_cpu_minutes: float | None = None
@@ -85,20 +86,26 @@ def check_settings(settings: ConvertSettings):
         raise ConversionError(f"--init {settings.init!r} is not supported; choose one of {', '.join(INITS)}.")
     if settings.resolved_init == "calibrated" and not settings.calib_text:
         raise ConversionError("--init calibrated needs calibration text: pass --calib-text FILE (plain text).")
-    if settings.distill_steps and not settings.calib_text:
-        raise ConversionError("--distill-steps needs training text: pass --calib-text FILE (plain text).")
+    if (settings.distill_steps or settings.distill_cpu_minutes) and not settings.calib_text:
+        raise ConversionError("Distillation needs training text: pass --calib-text FILE (plain text).")
+    if settings.distill_cpu_minutes is not None and not settings.distill_cpu_minutes > 0:
+        raise ConversionError(f"--distill-cpu-minutes must be > 0, got {settings.distill_cpu_minutes!r}.")
     for flag, path in (("--calib-text", settings.calib_text), ("--eval-text", settings.eval_text)):
         if path is not None and not os.path.isfile(path):
             raise ConversionError(f"{flag} {path!r} is not a file. Pass a plain-text file.")
     _check_positive(settings)
-    out = os.path.abspath(settings.out)
-    if os.path.exists(out) and not (settings.overwrite and os.path.isdir(out)):
-        raise ConversionError(
-            f"--out {settings.out!r} already exists. Choose a new folder, or pass --overwrite to replace a folder."
-        )
+    check_output_folder(settings.out, settings.overwrite)
     source_config = load_source_config(settings.source)
     config = memoryformer_config_from_gpt_neox(source_config, settings.hash_bits, settings.hash_temperature)
     return source_config, config
+
+
+def check_output_folder(out: str, overwrite: bool) -> None:
+    """An existing output is replaced only when it is a folder and `overwrite` is set."""
+    if os.path.exists(out) and not (overwrite and os.path.isdir(out)):
+        raise ConversionError(
+            f"--out {out!r} already exists. Choose a new folder, or pass --overwrite to replace a folder."
+        )
 
 
 def _check_positive(settings: ConvertSettings) -> None:
@@ -241,8 +248,8 @@ def _convert(config, teacher, data: dict[str, torch.Tensor], settings: ConvertSe
             fit = calibrate(student, dense, data["calibration"], settings.ridge, settings.sweeps, settings.tolerance,
                             batch_size=settings.batch_size, progress=settings.progress)
         stages["calibrated"] = {**evaluate(student), **clock.seconds, "fit": fit}
-    if settings.distill_steps:
-        budget = TrainingBudget(settings.distill_steps, settings.distill_cpu_minutes, settings.distill_lr,
+    if settings.distill_steps or settings.distill_cpu_minutes:
+        budget = TrainingBudget(settings.distill_steps or None, settings.distill_cpu_minutes, settings.distill_lr,
                                 settings.batch_size, seed=settings.seed)
         run = train_student(student, data["train"], budget, teacher=teacher)
         stages["distilled"] = {**evaluate(student), "training": run}
@@ -283,24 +290,32 @@ class _Stopwatch:
 # Output
 
 
-def _write_output(student, tokenizer, report: dict, settings: ConvertSettings) -> None:
-    """Write everything into a temporary sibling of --out, then rename it into place (replacing an old folder only
-    with --overwrite, and only once the new one is complete)."""
-    out = os.path.abspath(settings.out)
+@contextlib.contextmanager
+def staged_folder(out: str, overwrite: bool = False):
+    """Yield a temporary sibling folder of `out` to write into; on success rename it to `out` (replacing an existing
+    folder only when `overwrite`), on any failure delete it, so `out` is never half-written."""
+    check_output_folder(out, overwrite)
+    out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".incomplete", dir=parent)
     try:
-        student.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        write_report(report, staging)
-        if os.path.exists(out):  # --overwrite, checked before the conversion started
+        yield staging
+        if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _write_output(student, tokenizer, report: dict, settings: ConvertSettings) -> None:
+    """The model, the tokenizer (when there is one) and the report, written through `staged_folder`."""
+    with staged_folder(settings.out, settings.overwrite) as staging:
+        student.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        write_report(report, staging)
 
 
 def write_report(report: dict, folder: str) -> None:
@@ -386,8 +401,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ridge strength relative to the mean diagonal of the design's normal matrix")
     parser.add_argument("--sweeps", type=int, default=defaults.sweeps, help="max block-coordinate sweeps per layer")
     parser.add_argument("--tolerance", type=float, default=defaults.tolerance)
-    parser.add_argument("--distill-steps", type=int, default=defaults.distill_steps)
-    parser.add_argument("--distill-cpu-minutes", type=float, default=None, help="stop distillation at this CPU time")
+    parser.add_argument("--distill-steps", type=int, default=defaults.distill_steps,
+                        help="distillation steps (0: none, unless --distill-cpu-minutes sets a budget)")
+    parser.add_argument("--distill-cpu-minutes", type=float, default=None,
+                        help="CPU-time budget of distillation; alone, it sets the number of steps from a short probe")
     parser.add_argument("--distill-lr", type=float, default=defaults.distill_lr)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -416,5 +433,7 @@ __all__ = [
     "check_settings",
     "convert_pythia",
     "run_convert",
+    "split_text",
+    "staged_folder",
     "text_blocks",
 ]

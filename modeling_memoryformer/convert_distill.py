@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -21,9 +22,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 @dataclass
 class TrainingBudget:
     """How long and how hard to train: at most `steps` optimizer steps and `cpu_minutes` of process CPU time (all
-    threads; the run stops early once spent). AdamW with a cosine schedule over `steps` after a linear warmup."""
+    threads; the run stops early once spent). With `steps=None` the number of steps that fits the CPU budget is
+    measured by a short probe run (`steps_for_cpu_budget`). AdamW with a cosine schedule over the steps after a linear
+    warmup."""
 
-    steps: int
+    steps: int | None
     cpu_minutes: float | None = None
     learning_rate: float = 1e-3
     batch_size: int = 8
@@ -52,6 +55,16 @@ class DistillationTrainer(Trainer):
         outputs = model(input_ids=inputs["input_ids"])
         loss = distillation_loss(outputs.logits, teacher_logits)
         return (loss, outputs) if return_outputs else loss
+
+
+class StepClock(TrainerCallback):
+    """Process CPU time at the end of every optimizer step (`times`), to measure the steady-state cost of a step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.process_time())
 
 
 class CpuBudgetCallback(TrainerCallback):
@@ -85,12 +98,19 @@ class TokenBlocks(torch.utils.data.Dataset):
 
 
 def train_student(
-    model: nn.Module, train_ids: torch.Tensor, budget: TrainingBudget, teacher: nn.Module | None = None
+    model: nn.Module,
+    train_ids: torch.Tensor,
+    budget: TrainingBudget,
+    teacher: nn.Module | None = None,
+    callbacks: list[TrainerCallback] | None = None,
 ) -> dict:
     """Train `model` in place on the sequences `train_ids` [S, T]: distillation from `teacher`, or cross-entropy from
-    the data when `teacher` is None. Returns {"steps", "cpu_seconds", "wall_seconds", "stopped_by_budget",
-    "losses": [(step, loss), ...]}."""
+    the data when `teacher` is None; `callbacks` are added to the Trainer. Returns {"steps", "planned_steps",
+    "cpu_seconds", "wall_seconds", "stopped_by_budget", "losses": [(step, loss), ...]}."""
+    if budget.steps is None:
+        budget = replace(budget, steps=steps_for_cpu_budget(model, train_ids, budget, teacher))
     callback = CpuBudgetCallback(60.0 * budget.cpu_minutes) if budget.cpu_minutes else None
+    callbacks = [*(callbacks or []), *([callback] if callback else [])]
     with tempfile.TemporaryDirectory(prefix="memoryformer-train-") as scratch:
         arguments = TrainingArguments(
             output_dir=scratch,
@@ -116,7 +136,7 @@ def train_student(
             model=model,
             args=arguments,
             train_dataset=TokenBlocks(train_ids),
-            callbacks=[callback] if callback else None,
+            callbacks=callbacks,
             **extra,
         )
         cpu, wall = time.process_time(), time.perf_counter()
@@ -125,6 +145,7 @@ def train_student(
     model.eval()
     return {
         "steps": trainer.state.global_step,
+        "planned_steps": budget.steps,
         "cpu_seconds": cpu,
         "wall_seconds": wall,
         "stopped_by_budget": bool(callback and callback.stopped),
@@ -132,4 +153,20 @@ def train_student(
     }
 
 
-__all__ = ["DistillationTrainer", "TrainingBudget", "distillation_loss", "train_student"]
+def steps_for_cpu_budget(
+    model: nn.Module, train_ids: torch.Tensor, budget: TrainingBudget, teacher: nn.Module | None = None,
+    probe_steps: int = 5, margin: float = 0.95,
+) -> int:
+    """How many steps of `train_student` fit in `budget.cpu_minutes`: the steady-state CPU time per step, measured
+    between the first and the last of `probe_steps` steps on a copy of `model` (the first step pays one-off set-up
+    costs), times `margin`."""
+    if not budget.cpu_minutes:
+        raise ValueError("steps_for_cpu_budget needs budget.cpu_minutes.")
+    clock = StepClock()
+    probe = replace(budget, steps=probe_steps, cpu_minutes=None)
+    train_student(copy.deepcopy(model), train_ids[: probe_steps * budget.batch_size], probe, teacher, [clock])
+    per_step = (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
+    return max(1, int(margin * 60.0 * budget.cpu_minutes / per_step))
+
+
+__all__ = ["DistillationTrainer", "TrainingBudget", "distillation_loss", "steps_for_cpu_budget", "train_student"]

@@ -27,8 +27,8 @@ def layer_errors(
     squared_norm = torch.zeros_like(squared_error)
     handles = []
     for block, (layer, dense) in enumerate(zip(student.model.layers, dense_blocks)):
-        inner_input = {}
-        handles.append(layer.memory_block.norm.register_forward_pre_hook(lambda m, args, s=inner_input: s.update(x=args[0])))
+        inner_input = {}  # GELU(u), the input of the Memory Block's inner norm: what the dense layer2 reads
+        handles.append(layer.memory_block.norm.register_forward_pre_hook(_remember_input(inner_input)))
         for column, name in enumerate(MEMORY_LAYER_NAMES):
             source = inner_input if name == "memory_block.layer2" else None
 
@@ -46,6 +46,13 @@ def layer_errors(
             handle.remove()
     errors = (squared_error / squared_norm.clamp_min(1e-300)).sqrt()
     return [dict(zip(MEMORY_LAYER_NAMES, row.tolist())) for row in errors]
+
+
+def _remember_input(store: dict):
+    def hook(module, args):
+        store["x"] = args[0]
+
+    return hook
 
 
 @torch.no_grad()

@@ -104,7 +104,7 @@ def calibrate(
     student: nn.Module,
     dense_blocks: list[dict[str, DenseLayer]],
     input_ids: torch.Tensor,
-    ridge: float = 1e-3,
+    ridge: float = 0.1,
     max_sweeps: int = 20,
     tolerance: float = 1e-4,
     batch_size: int = 16,

@@ -178,7 +178,7 @@ def fit_tables_ridge(
     scores: torch.Tensor,
     targets: torch.Tensor,
     prior_tables: torch.Tensor,
-    ridge: float = 1e-3,
+    ridge: float = 0.1,
     max_sweeps: int = 20,
     tolerance: float = 1e-4,
     progress: bool = False,
@@ -198,8 +198,9 @@ def fit_tables_ridge(
     dtype = targets.dtype
     scores = scores.to(dtype)
     local_rows = rows - torch.arange(num_tables, device=rows.device)[None, :] * rows_per_table  # [N, K] in [0, 2^tau)
+    rows_by_table, scores_by_table = local_rows.T.contiguous(), scores.T.contiguous()  # [K, N] each
     squared = torch.zeros(num_tables, rows_per_table, dtype=dtype)
-    squared.scatter_add_(1, local_rows.T.contiguous(), scores.T.pow(2).contiguous())  # sum of p^2 per row, [K, 2^tau]
+    squared.scatter_add_(1, rows_by_table, scores_by_table.pow(2))  # sum of p^2 per row, [K, 2^tau]
     ridge_lambda = ridge * squared.mean().item()
     prior = prior_tables.to(dtype).reshape(num_tables, rows_per_table, -1)
     tables = prior.clone()
@@ -208,14 +209,15 @@ def fit_tables_ridge(
     residual -= bias
     target_norm = targets.norm().item() or 1.0
     history = [residual.norm().item() / target_norm]
+    buffer = torch.empty_like(residual)  # reused: fresh [N, d_out] temporaries cost more in page faults than in maths
     for _ in tqdm(range(max_sweeps), desc=description, disable=not progress, leave=False):
         previous = tables.clone()
         for k in range(num_tables):
-            index, weight = local_rows[:, k], scores[:, k]
-            numerator = torch.zeros_like(tables[k]).index_add_(0, index, weight[:, None] * residual)
+            index, weight = rows_by_table[k], scores_by_table[k][:, None]
+            numerator = torch.zeros_like(tables[k]).index_add_(0, index, torch.mul(residual, weight, out=buffer))
             numerator += squared[k][:, None] * tables[k] + ridge_lambda * prior[k]
             updated = numerator / (squared[k] + ridge_lambda)[:, None]
-            residual -= weight[:, None] * (updated - tables[k])[index]
+            residual -= torch.index_select(updated - tables[k], 0, index, out=buffer).mul_(weight)
             tables[k] = updated
         _common_mode_step(tables, prior, bias, residual, scores, ridge_lambda)
         history.append(residual.norm().item() / target_norm)

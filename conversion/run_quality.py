@@ -44,7 +44,7 @@ def train_from_scratch(converted: str, settings: ConvertSettings, cpu_minutes: f
     torch.manual_seed(settings.seed)
     model = MemoryFormerForCausalLM(MemoryFormerConfig.from_pretrained(converted))
     budget = TrainingBudget(None, cpu_minutes, lr, settings.batch_size, weight_decay=0.1, seed=settings.seed)
-    run = train_student(model, train_ids, budget)
+    run = train_student(model, train_ids, budget, progress=settings.progress)
     return {"perplexity": perplexity(model, held_out, settings.batch_size), "learning_rate": lr, "training": run}
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-minutes", type=float, default=10.0, help="distillation and from-scratch budget, each")
     parser.add_argument("--hash-bits", type=int, default=8)
     parser.add_argument("--calib-tokens", type=int, default=32768)
-    parser.add_argument("--distill-lr", type=float, default=1e-3)
+    parser.add_argument("--distill-lr", type=float, default=1e-4)
     parser.add_argument("--scratch-lr", type=float, default=3e-3, help="3x the dense rate, the paper's recipe")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-scratch", action="store_true", help="only the conversion (no baseline)")

@@ -41,6 +41,7 @@ from .convert_mapping import (
 
 
 INITS = ("data-free", "calibrated")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")))
 
 
@@ -65,7 +66,8 @@ class ConvertSettings:
     tolerance: float = 1e-3
     distill_steps: int = 0
     distill_cpu_minutes: float | None = None
-    distill_lr: float = 1e-3
+    distill_lr: float = 1e-4
+    distill_embeddings: bool = False
     batch_size: int = 8
     seed: int = 0
     overwrite: bool = False
@@ -198,15 +200,17 @@ def _load_teacher(settings: ConvertSettings):
         teacher = GPTNeoXForCausalLM.from_pretrained(settings.source, dtype=torch.float32).eval()
     except (OSError, ValueError) as error:
         raise ConversionError(f"Could not load the weights of --from {settings.source!r}: {error}") from error
-    tokenizer = None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or settings.source)
-    except (OSError, ValueError, TypeError) as error:
-        if settings.tokenizer or settings.calib_text:
-            raise ConversionError(
-                f"Could not load a tokenizer from {settings.tokenizer or settings.source!r} ({error}); the text "
-                "options need one. Pass --tokenizer PATH."
-            ) from error
+    location = settings.tokenizer or settings.source
+    tokenizer, error = None, "it has no tokenizer files"
+    if not os.path.isdir(location) or any(os.path.isfile(os.path.join(location, n)) for n in TOKENIZER_FILES):
+        try:  # transformers builds an empty tokenizer from a folder without tokenizer files: look for them first
+            tokenizer = AutoTokenizer.from_pretrained(location)
+        except (OSError, ValueError, TypeError) as exception:
+            error = str(exception)
+    if tokenizer is None and (settings.tokenizer or settings.calib_text):
+        raise ConversionError(
+            f"Could not load a tokenizer from {location!r} ({error}); the text options need one. Pass --tokenizer PATH."
+        )
     return teacher, tokenizer
 
 
@@ -250,8 +254,8 @@ def _convert(config, teacher, data: dict[str, torch.Tensor], settings: ConvertSe
         stages["calibrated"] = {**evaluate(student), **clock.seconds, "fit": fit}
     if settings.distill_steps or settings.distill_cpu_minutes:
         budget = TrainingBudget(settings.distill_steps or None, settings.distill_cpu_minutes, settings.distill_lr,
-                                settings.batch_size, seed=settings.seed)
-        run = train_student(student, data["train"], budget, teacher=teacher)
+                                settings.batch_size, train_embeddings=settings.distill_embeddings, seed=settings.seed)
+        run = train_student(student, data["train"], budget, teacher=teacher, progress=settings.progress)
         stages["distilled"] = {**evaluate(student), "training": run}
     report["final_stage"] = list(stages)[-1]
     return student
@@ -404,8 +408,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distill-steps", type=int, default=defaults.distill_steps,
                         help="distillation steps (0: none, unless --distill-cpu-minutes sets a budget)")
     parser.add_argument("--distill-cpu-minutes", type=float, default=None,
-                        help="CPU-time budget of distillation; alone, it sets the number of steps from a short probe")
-    parser.add_argument("--distill-lr", type=float, default=defaults.distill_lr)
+                        help="CPU-time budget of distillation (the schedule runs over it; with --distill-steps, whichever ends first)")
+    parser.add_argument("--distill-lr", type=float, default=defaults.distill_lr,
+                        help="peak AdamW rate; higher rates (3e-4 and up) measurably hurt a calibrated start")
+    parser.add_argument("--distill-embeddings", action="store_true",
+                        help="also train the token embeddings and LM head (copied from the teacher; frozen by default)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--overwrite", action="store_true")

@@ -8,31 +8,38 @@ the same CPU budget is trained.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
-import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
 @dataclass
 class TrainingBudget:
-    """How long and how hard to train: at most `steps` optimizer steps and `cpu_minutes` of process CPU time (all
-    threads; the run stops early once spent). With `steps=None` the number of steps that fits the CPU budget is
-    measured by a short probe run (`steps_for_cpu_budget`). AdamW with a cosine schedule over the steps after a linear
-    warmup."""
+    """How long and how hard to train: `steps` optimizer steps, or `cpu_minutes` of process CPU time (all threads
+    counted), or whichever ends first when both are given. AdamW; the learning rate warms up linearly over the first
+    `warmup_fraction` of the budget and then follows a cosine to zero, where the budget's progress is
+    max(step / steps, CPU time / cpu_minutes), so a CPU-time budget gets a complete schedule whatever a step costs.
+    `train_embeddings=False` freezes the token embeddings and the LM head (copied from the teacher when converting)."""
 
-    steps: int | None
+    steps: int | None = None
     cpu_minutes: float | None = None
     learning_rate: float = 1e-3
     batch_size: int = 8
     warmup_fraction: float = 0.05
     weight_decay: float = 0.0
+    train_embeddings: bool = True
     seed: int = 0
+
+    def __post_init__(self):
+        if not (self.steps or self.cpu_minutes):
+            raise ValueError("A TrainingBudget needs steps > 0 or cpu_minutes > 0.")
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -57,30 +64,47 @@ class DistillationTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
 
-class StepClock(TrainerCallback):
-    """Process CPU time at the end of every optimizer step (`times`), to measure the steady-state cost of a step."""
+class BudgetSchedule(TrainerCallback):
+    """Sets the learning rate before every step from the budget's progress (see `TrainingBudget`), stops training when
+    the budget is spent, and shows the progress (tqdm over the budget)."""
 
-    def __init__(self):
-        self.times: list[float] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.process_time())
-
-
-class CpuBudgetCallback(TrainerCallback):
-    """Stops training once the process has used `seconds` of CPU time since the start of training."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, budget: TrainingBudget, progress: bool = True):
+        self.budget = budget
+        self.show = progress
         self.start = 0.0
-        self.stopped = False
+        self.bar = None
+
+    def progress(self, step: int) -> float:
+        fractions = []
+        if self.budget.steps:
+            fractions.append(step / self.budget.steps)
+        if self.budget.cpu_minutes:
+            fractions.append((time.process_time() - self.start) / (60.0 * self.budget.cpu_minutes))
+        return max(fractions)
+
+    def learning_rate(self, progress: float) -> float:
+        warmup = self.budget.warmup_fraction
+        if progress < warmup:
+            return self.budget.learning_rate * progress / warmup
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / (1.0 - warmup))))
+        return self.budget.learning_rate * cosine
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.process_time()
+        self.bar = tqdm(total=1000, desc="training (budget per mille)", disable=not self.show, leave=False)
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        for group in optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.progress(state.global_step))
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.process_time() - self.start >= self.seconds:
-            self.stopped = control.should_training_stop = True
+        progress = self.progress(state.global_step)
+        self.bar.update(min(1000, int(1000 * progress)) - self.bar.n)
+        if progress >= 1.0:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -102,33 +126,32 @@ def train_student(
     train_ids: torch.Tensor,
     budget: TrainingBudget,
     teacher: nn.Module | None = None,
-    callbacks: list[TrainerCallback] | None = None,
+    progress: bool = True,
 ) -> dict:
-    """Train `model` in place on the sequences `train_ids` [S, T]: distillation from `teacher`, or cross-entropy from
-    the data when `teacher` is None; `callbacks` are added to the Trainer. Returns {"steps", "planned_steps",
-    "cpu_seconds", "wall_seconds", "stopped_by_budget", "losses": [(step, loss), ...]}."""
-    if budget.steps is None:
-        budget = replace(budget, steps=steps_for_cpu_budget(model, train_ids, budget, teacher))
-    callback = CpuBudgetCallback(60.0 * budget.cpu_minutes) if budget.cpu_minutes else None
-    callbacks = [*(callbacks or []), *([callback] if callback else [])]
+    """Train `model` in place on the sequences `train_ids` [S, T] (shuffled, cycled): distillation from `teacher`, or
+    cross-entropy from the data when `teacher` is None. Returns {"steps", "tokens", "cpu_seconds", "wall_seconds",
+    "losses": [(step, loss), ...]}."""
+    frozen = [] if budget.train_embeddings else [model.get_input_embeddings(), model.get_output_embeddings()]
+    for module in frozen:
+        module.requires_grad_(False)
     with tempfile.TemporaryDirectory(prefix="memoryformer-train-") as scratch:
         arguments = TrainingArguments(
             output_dir=scratch,
-            max_steps=budget.steps,
+            max_steps=budget.steps or 10**9,  # a CPU-time budget stops the run through BudgetSchedule
             per_device_train_batch_size=budget.batch_size,
             learning_rate=budget.learning_rate,
-            lr_scheduler_type="cosine",
-            warmup_steps=budget.warmup_fraction,
+            lr_scheduler_type="constant",  # BudgetSchedule sets the rate before every step
             weight_decay=budget.weight_decay,
             adam_beta2=0.95,
             max_grad_norm=1.0,
-            logging_steps=max(1, budget.steps // 20),
+            logging_steps=10,
             save_strategy="no",
             eval_strategy="no",
             report_to=[],
             use_cpu=True,
             dataloader_num_workers=0,
             remove_unused_columns=False,
+            disable_tqdm=True,
             seed=budget.seed,
         )
         trainer_class, extra = (Trainer, {}) if teacher is None else (DistillationTrainer, {"teacher": teacher})
@@ -136,37 +159,23 @@ def train_student(
             model=model,
             args=arguments,
             train_dataset=TokenBlocks(train_ids),
-            callbacks=callbacks,
+            callbacks=[BudgetSchedule(budget, progress)],
             **extra,
         )
         cpu, wall = time.process_time(), time.perf_counter()
         trainer.train()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    for module in frozen:
+        module.requires_grad_(True)
     model.eval()
+    steps = trainer.state.global_step
     return {
-        "steps": trainer.state.global_step,
-        "planned_steps": budget.steps,
+        "steps": steps,
+        "tokens": steps * budget.batch_size * train_ids.shape[1],
         "cpu_seconds": cpu,
         "wall_seconds": wall,
-        "stopped_by_budget": bool(callback and callback.stopped),
         "losses": [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry],
     }
 
 
-def steps_for_cpu_budget(
-    model: nn.Module, train_ids: torch.Tensor, budget: TrainingBudget, teacher: nn.Module | None = None,
-    probe_steps: int = 5, margin: float = 0.95,
-) -> int:
-    """How many steps of `train_student` fit in `budget.cpu_minutes`: the steady-state CPU time per step, measured
-    between the first and the last of `probe_steps` steps on a copy of `model` (the first step pays one-off set-up
-    costs), times `margin`."""
-    if not budget.cpu_minutes:
-        raise ValueError("steps_for_cpu_budget needs budget.cpu_minutes.")
-    clock = StepClock()
-    probe = replace(budget, steps=probe_steps, cpu_minutes=None)
-    train_student(copy.deepcopy(model), train_ids[: probe_steps * budget.batch_size], probe, teacher, [clock])
-    per_step = (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
-    return max(1, int(margin * 60.0 * budget.cpu_minutes / per_step))
-
-
-__all__ = ["DistillationTrainer", "TrainingBudget", "distillation_loss", "steps_for_cpu_budget", "train_student"]
+__all__ = ["BudgetSchedule", "DistillationTrainer", "TrainingBudget", "distillation_loss", "train_student"]

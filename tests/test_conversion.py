@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import modeling_memoryformer  # noqa: F401  (registers the Auto classes)
 from modeling_memoryformer import MemoryFormerForCausalLM, conversion
-from modeling_memoryformer.convert_distill import TrainingBudget, distillation_loss, train_student
+from modeling_memoryformer.convert_distill import BudgetSchedule, TrainingBudget, distillation_loss, train_student
 from modeling_memoryformer.convert_evaluate import layer_errors
 from modeling_memoryformer.convert_init import calibrate, data_free_init
 from modeling_memoryformer.convert_mapping import (
@@ -86,14 +86,18 @@ def random_ids(count: int, length: int = 32, vocab: int = 96, seed: int = 0) -> 
 
 @pytest.fixture
 def teacher_folder(tmp_path):
-    """A tiny GPT-NeoX saved as safetensors, with the Pythia tokenizer when it is available (vocab fits it)."""
-    teacher = tiny_teacher(vocab_size=50304)
+    """A tiny GPT-NeoX saved as safetensors, without a tokenizer (vocabulary large enough for Pythia's)."""
     folder = tmp_path / "teacher"
-    teacher.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if os.path.isfile(os.path.join(TOKENIZER, name)):
-            shutil.copy(os.path.join(TOKENIZER, name), folder)
+    tiny_teacher(vocab_size=50304).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def teacher_with_tokenizer(teacher_folder):
+    """The tiny GPT-NeoX folder with the Pythia tokenizer copied in."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TOKENIZER, name), teacher_folder)
+    return teacher_folder
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -293,9 +297,31 @@ def test_distillation_brings_the_student_closer_to_the_teacher():
             return distillation_loss(student(held_out).logits, teacher(held_out).logits).item()
 
     before = kl()
-    run = train_student(student, random_ids(64, seed=6), TrainingBudget(steps=30, learning_rate=3e-3), teacher=teacher)
+    run = train_student(student, random_ids(64, seed=6), TrainingBudget(steps=30, learning_rate=3e-3), teacher, progress=False)
     assert run["steps"] == 30
     assert kl() < 0.8 * before
+
+
+def test_budget_schedule_warms_up_then_follows_a_cosine_to_zero():
+    schedule = BudgetSchedule(TrainingBudget(steps=100, learning_rate=2e-3, warmup_fraction=0.1), progress=False)
+    assert schedule.learning_rate(0.0) == 0.0
+    assert schedule.learning_rate(0.05) == pytest.approx(1e-3)
+    assert schedule.learning_rate(0.1) == pytest.approx(2e-3)
+    assert schedule.learning_rate(0.55) == pytest.approx(1e-3)
+    assert schedule.learning_rate(1.0) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_a_cpu_time_budget_ends_training_and_frozen_embeddings_stay_put():
+    teacher = tiny_teacher()
+    student = converted(teacher)
+    embeddings = student.model.embed_tokens.weight.detach().clone()
+    tables = student.model.layers[0].attention.query_key_value.tables.detach().clone()
+    budget = TrainingBudget(cpu_minutes=0.01, learning_rate=1e-3, train_embeddings=False)
+    run = train_student(student, random_ids(64, seed=7), budget, teacher=teacher, progress=False)
+    assert run["steps"] >= 1
+    assert torch.equal(student.model.embed_tokens.weight, embeddings)
+    assert not torch.equal(student.model.layers[0].attention.query_key_value.tables, tables)
+    assert student.model.embed_tokens.weight.requires_grad  # unfrozen again afterwards
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,8 +336,9 @@ def _settings(source, out, **overrides) -> conversion.ConvertSettings:
 
 def test_data_free_conversion_writes_a_folder_that_loads_with_auto_and_remote_code(teacher_folder, tmp_path):
     out = tmp_path / "converted"
-    conversion.convert_pythia(_settings(teacher_folder, out))
+    conversion.convert_pythia(_settings(teacher_folder, out))  # no text, no tokenizer: nothing measured
     assert (out / "model.safetensors").is_file() and (out / "conversion_report.json").is_file()
+    assert not (out / "tokenizer.json").exists()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(model, MemoryFormerForCausalLM)
     teacher = GPTNeoXForCausalLM.from_pretrained(teacher_folder)
@@ -342,12 +369,12 @@ def test_data_free_conversion_writes_a_folder_that_loads_with_auto_and_remote_co
 
 
 @needs_text
-def test_calibrated_command_reports_every_stage(teacher_folder, tmp_path):
+def test_calibrated_command_reports_every_stage(teacher_with_tokenizer, tmp_path):
     out = tmp_path / "converted"
     parser = argparse.ArgumentParser()
     conversion.add_convert_arguments(parser)
     args = parser.parse_args(
-        ["--from", str(teacher_folder), "--out", str(out), "--calib-text", TEXT, "--hash-bits", "4", "--seq-len", "32",
+        ["--from", str(teacher_with_tokenizer), "--out", str(out), "--calib-text", TEXT, "--hash-bits", "4", "--seq-len", "32",
          "--calib-tokens", "2048", "--eval-tokens", "512", "--sweeps", "3", "--distill-steps", "2", "--quiet"]
     )
     assert conversion.run_convert(args) == 0
@@ -403,6 +430,15 @@ def test_missing_source_folder_and_existing_output_are_rejected(teacher_folder, 
         conversion.convert_pythia(_settings(teacher_folder, out))
     with pytest.raises(ConversionError, match="--init calibrated needs calibration text"):
         conversion.convert_pythia(_settings(teacher_folder, tmp_path / "other", init="calibrated"))
+
+
+def test_text_without_a_tokenizer_is_rejected_before_any_output(teacher_folder, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 50)
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match="has no tokenizer files.*--tokenizer"):
+        conversion.convert_pythia(_settings(teacher_folder, out, calib_text=str(text)))
+    _assert_nothing_written(tmp_path, out)
 
 
 def test_a_failure_while_writing_leaves_no_folder(teacher_folder, tmp_path, monkeypatch):

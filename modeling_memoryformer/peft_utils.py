@@ -8,7 +8,8 @@ A Memory Layer has no weight matrix to put a LoRA update on, so there are two wa
     peft does not know Memory Layers; `register_memoryformer_lora` registers this class with a `LoraConfig`.
 (b) LoRA on the `tables` parameter itself, through peft's own `ParamWrapper` (`kind="tables"`, `target_parameters`):
     T' = T + scaling * B A, with A [r, d_out] and B [K * 2**tau, r]. Every table row gets a low-rank correction; the
-    layer stays a lookup, so `merge_and_unload` folds the update into the tables exactly.
+    layer stays a lookup, so `merge_and_unload` folds the update into the tables exactly. The price: every forward
+    builds T' in full (as large as the tables, and kept for the backward), and B has K * 2**tau rows.
 
 (c) The LM head, the model's only `nn.Linear`, takes ordinary LoRA or `modules_to_save` alongside either kind.
 
@@ -181,7 +182,8 @@ def memoryformer_lora_config(
         alpha: lora_alpha; the update is scaled by alpha / r.
         dropout: dropout on the adapter input ("memory_layers" and a LoRA head only).
         include_lm_head: also adapt the LM head.
-        lm_head_mode: "modules_to_save" trains and saves a full copy of the head; "lora" puts LoRA on it.
+        lm_head_mode: "modules_to_save" trains and saves a full copy of the head; "lora" puts LoRA on it (peft then
+            also saves the base head with the adapter unless `save_pretrained(..., save_embedding_layers=False)`).
         memory_layers: which Memory Layers to adapt, by attribute name (default: all of them).
         lora_kwargs: any other `LoraConfig` field (e.g. `use_rslora`, `init_lora_weights`, `task_type`).
     """

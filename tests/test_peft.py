@@ -251,7 +251,9 @@ def test_load_a_second_adapter_into_a_peft_model(tmp_path, ids):
         expected[name] = logits(model, ids)
         model.save_pretrained(tmp_path / name)
     model = load_memoryformer_adapter(tiny_model(), tmp_path / "first")
-    assert load_memoryformer_adapter(model, tmp_path / "second", adapter_name="second") is model
+    assert load_memoryformer_adapter(model, tmp_path / "second", adapter_name="second", is_trainable=True) is model
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".second." in name for name in trainable)  # the first adapter was loaded frozen
     assert torch.equal(logits(model, ids), expected["first"])
     model.set_adapter("second")
     assert torch.equal(logits(model, ids), expected["second"])

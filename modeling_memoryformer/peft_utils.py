@@ -37,7 +37,9 @@ from .modeling_memoryformer import MemoryLayer
 MEMORY_LAYER_NAMES: tuple[str, ...] = ("query_key_value", "dense", "layer1", "layer2")
 
 # What a MemoryLayerLoRA passes through to the Memory Layer it wraps, so code written for a MemoryLayer keeps working.
-_MEMORY_LAYER_ATTRIBUTES = frozenset({"hash_bits", "num_tables", "score", "temperature", "tables", "hash", "hash_codes"})
+_MEMORY_LAYER_ATTRIBUTES = frozenset(
+    {"hash_bits", "num_tables", "score", "temperature", "tables", "hash", "hash_codes"}
+)
 
 # Initialisations that do not read a dense base weight (PiSSA, OLoRA, LoftQ, ... factorise `weight`, which a Memory
 # Layer does not have).

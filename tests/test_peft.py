@@ -139,7 +139,8 @@ def test_memory_layer_lora_keeps_the_memory_layer_interface():
     assert layer.tables is base.tables and layer.bias is base.bias
     x = layer_input()
     hashed = layer.hash(x)
-    torch.testing.assert_close(layer(x, hashed=hashed), base(hashed=hashed) + low_rank_path(layer, x), rtol=0, atol=1e-12)
+    shared = base(hashed=hashed) + low_rank_path(layer, x)
+    torch.testing.assert_close(layer(x, hashed=hashed), shared, rtol=0, atol=1e-12)
     assert torch.equal(layer.hash_codes(x), base.hash_codes(x))
     with pytest.raises(ValueError, match="needs the input x"):
         layer(hashed=hashed)  # the adapter path cannot be computed from the hash alone

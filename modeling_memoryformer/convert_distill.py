@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -49,7 +50,20 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return F.kl_div(student_log_probs, teacher_log_probs, log_target=True, reduction="batchmean")
 
 
-class DistillationTrainer(Trainer):
+class BudgetTrainer(Trainer):
+    """A Trainer whose learning-rate schedule is a `BudgetSchedule` (so the logged rate is the one applied)."""
+
+    def __init__(self, *args, schedule: "BudgetSchedule", **kwargs):
+        self.schedule = schedule
+        super().__init__(*args, callbacks=[schedule], **kwargs)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = LambdaLR(optimizer or self.optimizer, self.schedule.factor)
+        return self.lr_scheduler
+
+
+class DistillationTrainer(BudgetTrainer):
     """A Trainer whose loss is `distillation_loss` against a frozen `teacher` (kept in eval mode, no gradients)."""
 
     def __init__(self, *args, teacher: nn.Module, **kwargs):
@@ -65,43 +79,43 @@ class DistillationTrainer(Trainer):
 
 
 class BudgetSchedule(TrainerCallback):
-    """Sets the learning rate before every step from the budget's progress (see `TrainingBudget`), stops training when
-    the budget is spent, and shows the progress (tqdm over the budget)."""
+    """The learning-rate factor of every step from the budget's progress (see `TrainingBudget`); as a callback it
+    stops training when the budget is spent and shows the progress (tqdm over the budget)."""
 
     def __init__(self, budget: TrainingBudget, progress: bool = True):
         self.budget = budget
         self.show = progress
-        self.start = 0.0
+        self.start = time.process_time()
+        self.last_spent = 0.0
         self.bar = None
 
-    def progress(self, step: int) -> float:
-        fractions = []
-        if self.budget.steps:
-            fractions.append(step / self.budget.steps)
-        if self.budget.cpu_minutes:
-            fractions.append((time.process_time() - self.start) / (60.0 * self.budget.cpu_minutes))
-        return max(fractions)
+    def cpu_fraction(self) -> float:
+        """Share of the CPU-time budget spent since training began (0 without a CPU-time budget)."""
+        if not self.budget.cpu_minutes:
+            return 0.0
+        return (time.process_time() - self.start) / (60.0 * self.budget.cpu_minutes)
 
-    def learning_rate(self, progress: float) -> float:
-        warmup = self.budget.warmup_fraction
+    def progress(self, step: int) -> float:
+        return max(step / self.budget.steps if self.budget.steps else 0.0, self.cpu_fraction())
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the peak rate for the step about to run: linear warmup, then a cosine to zero."""
+        progress, warmup = self.progress(step), self.budget.warmup_fraction
         if progress < warmup:
-            return self.budget.learning_rate * progress / warmup
-        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / (1.0 - warmup))))
-        return self.budget.learning_rate * cosine
+            return progress / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / (1.0 - warmup))))
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.process_time()
+        self.last_spent = 0.0
         self.bar = tqdm(total=1000, desc="training (budget per mille)", disable=not self.show, leave=False)
 
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        for group in optimizer.param_groups:
-            group["lr"] = self.learning_rate(self.progress(state.global_step))
-
     def on_step_end(self, args, state, control, **kwargs):
-        progress = self.progress(state.global_step)
-        self.bar.update(min(1000, int(1000 * progress)) - self.bar.n)
-        if progress >= 1.0:
+        self.bar.update(min(1000, int(1000 * self.progress(state.global_step))) - self.bar.n)
+        spent = self.cpu_fraction()
+        if spent + (spent - self.last_spent) >= 1.0:  # stop before a step that would overrun the CPU budget
             control.should_training_stop = True
+        self.last_spent = spent
 
     def on_train_end(self, args, state, control, **kwargs):
         self.bar.close()
@@ -140,7 +154,6 @@ def train_student(
             max_steps=budget.steps or 10**9,  # a CPU-time budget stops the run through BudgetSchedule
             per_device_train_batch_size=budget.batch_size,
             learning_rate=budget.learning_rate,
-            lr_scheduler_type="constant",  # BudgetSchedule sets the rate before every step
             weight_decay=budget.weight_decay,
             adam_beta2=0.95,
             max_grad_norm=1.0,
@@ -154,12 +167,12 @@ def train_student(
             disable_tqdm=True,
             seed=budget.seed,
         )
-        trainer_class, extra = (Trainer, {}) if teacher is None else (DistillationTrainer, {"teacher": teacher})
+        trainer_class, extra = (BudgetTrainer, {}) if teacher is None else (DistillationTrainer, {"teacher": teacher})
         trainer = trainer_class(
             model=model,
             args=arguments,
             train_dataset=TokenBlocks(train_ids),
-            callbacks=[BudgetSchedule(budget, progress)],
+            schedule=BudgetSchedule(budget, progress),
             **extra,
         )
         cpu, wall = time.process_time(), time.perf_counter()
@@ -178,4 +191,4 @@ def train_student(
     }
 
 
-__all__ = ["BudgetSchedule", "DistillationTrainer", "TrainingBudget", "distillation_loss", "train_student"]
+__all__ = ["BudgetSchedule", "BudgetTrainer", "DistillationTrainer", "TrainingBudget", "distillation_loss", "train_student"]

@@ -303,12 +303,26 @@ def test_distillation_brings_the_student_closer_to_the_teacher():
 
 
 def test_budget_schedule_warms_up_then_follows_a_cosine_to_zero():
-    schedule = BudgetSchedule(TrainingBudget(steps=100, learning_rate=2e-3, warmup_fraction=0.1), progress=False)
-    assert schedule.learning_rate(0.0) == 0.0
-    assert schedule.learning_rate(0.05) == pytest.approx(1e-3)
-    assert schedule.learning_rate(0.1) == pytest.approx(2e-3)
-    assert schedule.learning_rate(0.55) == pytest.approx(1e-3)
-    assert schedule.learning_rate(1.0) == pytest.approx(0.0, abs=1e-15)
+    schedule = BudgetSchedule(TrainingBudget(steps=100, warmup_fraction=0.1), progress=False)
+    assert [schedule.factor(step) for step in (0, 5, 10, 55, 100)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
+
+
+def test_the_trainer_applies_the_budget_schedule():
+    teacher = tiny_teacher()
+    student = converted(teacher)
+    rates = []
+    original_step = torch.optim.AdamW.step
+
+    def recording_step(optimizer, *args, **kwargs):
+        rates.append(optimizer.param_groups[0]["lr"])
+        return original_step(optimizer, *args, **kwargs)
+
+    budget = TrainingBudget(steps=8, learning_rate=1e-3, warmup_fraction=0.25)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.optim.AdamW, "step", recording_step)
+        train_student(student, random_ids(32, seed=8), budget, teacher, progress=False)
+    schedule = BudgetSchedule(budget, progress=False)
+    assert rates == pytest.approx([1e-3 * schedule.factor(step) for step in range(8)])
 
 
 def test_a_cpu_time_budget_ends_training_and_frozen_embeddings_stay_put():

@@ -1,4 +1,11 @@
-"""The `memoryformer` command line: `memoryformer flops`, `memoryformer demo`."""
+"""The `memoryformer` command line.
+
+    memoryformer demo       train a MemoryFormer and its Pythia twin side by side and report (the main job)
+    memoryformer train      train a MemoryFormer on text (Trainer, the paper's recipe)
+    memoryformer buckets    bucket-hit histograms of a trained model (paper Fig. 4)
+    memoryformer generate   build a preset, run a forward and a generation, print FLOPs and memory
+    memoryformer flops      FLOPs per block and table memory against the Pythia twin (paper Table 1)
+"""
 
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ def _flops(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace) -> int:
     """Build a preset, run a forward and a short greedy generation, print the FLOPs/memory comparison."""
     import torch
 
@@ -77,15 +84,31 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="table value type for memory")
     flops.set_defaults(func=_flops)
 
-    demo = sub.add_parser("demo", help="Build a preset, run a forward and a generation, print FLOPs and memory.")
-    demo.add_argument("--preset", choices=PRESETS, default="tiny")
-    demo.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
-    demo.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: random token ids)")
-    demo.add_argument("--prompt", default="The meaning of life is")
-    demo.add_argument("--new-tokens", type=int, default=16)
-    demo.add_argument("--seq-len", type=int, default=2048, help="sequence length for the FLOPs table")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=_demo)
+    generate = sub.add_parser("generate", help="Build a preset, run a forward and a generation, print FLOPs and memory.")
+    generate.add_argument("--preset", choices=PRESETS, default="tiny")
+    generate.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    generate.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: random token ids)")
+    generate.add_argument("--prompt", default="The meaning of life is")
+    generate.add_argument("--new-tokens", type=int, default=16)
+    generate.add_argument("--seq-len", type=int, default=2048, help="sequence length for the FLOPs table")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(func=_generate)
+
+    from . import buckets, demo, training
+
+    demo_parser = sub.add_parser(
+        "demo", help="Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report."
+    )
+    demo.add_demo_arguments(demo_parser)
+    demo_parser.set_defaults(func=demo.run_demo_cli)
+
+    train = sub.add_parser("train", help="Train a MemoryFormer with transformers.Trainer and the paper's recipe.")
+    training.add_train_arguments(train)
+    train.set_defaults(func=training.run_train)
+
+    bucket = sub.add_parser("buckets", help="Bucket-hit histograms and uniformity of a model's hash tables (Fig. 4).")
+    buckets.add_bucket_arguments(bucket)
+    bucket.set_defaults(func=buckets.run_buckets)
     return parser
 
 

@@ -38,10 +38,10 @@ from .convert_mapping import (
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
+from .data import TOKENIZER_FILES, text_blocks
 
 
 INITS = ("data-free", "calibrated")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")))
 
 
@@ -145,14 +145,6 @@ def load_source_config(source: str):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Data
-
-
-def text_blocks(text: str, tokenizer, seq_len: int) -> torch.Tensor:
-    """Tokenise `text` and cut it into consecutive non-overlapping sequences: LongTensor [S, seq_len] (the tail that
-    does not fill a sequence is dropped)."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
-    usable = ids.numel() // seq_len * seq_len
-    return ids[:usable].view(-1, seq_len)
 
 
 def split_text(settings: ConvertSettings) -> tuple[str, str | None]:

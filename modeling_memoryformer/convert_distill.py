@@ -20,6 +20,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from .data import TokenBlocks
+
 
 @dataclass
 class TrainingBudget:
@@ -119,20 +121,6 @@ class BudgetSchedule(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.bar.close()
-
-
-class TokenBlocks(torch.utils.data.Dataset):
-    """Fixed-length token sequences as causal-LM examples: {"input_ids", "labels"} (labels = input ids; the model
-    shifts them)."""
-
-    def __init__(self, input_ids: torch.Tensor):
-        self.input_ids = input_ids
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "labels": self.input_ids[index]}
 
 
 def train_student(

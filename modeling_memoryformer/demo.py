@@ -1,0 +1,376 @@
+"""The project's main job: train a MemoryFormer and its Pythia-shaped dense twin side by side, and report.
+
+Both models get the same tokenizer, data, block size, batch and number of steps (the same token budget); the twin
+trains at the dense learning rate of its size, the MemoryFormer at 3x (paper section 4.1, see
+`training.default_learning_rate`). The report folder holds, for each model, its final checkpoint and metrics, and
+for the pair: `summary.json`, `report.md` (the table the command also prints), `loss_curves.png`,
+`buckets.png` / `bucket_stats.json` (paper Fig. 4 on validation text) and `samples.md`.
+
+With no data given it runs on the embedded default (the CPython documentation in `pydoc_data`, with a byte-level
+BPE tokenizer trained on it in seconds), so it needs no file and no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class DemoSettings:
+    """What `memoryformer demo` trains on and how long. Defaults take a few minutes per model on 2 CPU cores."""
+
+    out: str = "memoryformer-demo"
+    data: str | None = None  # None: the embedded default text
+    tokenizer: str | None = None  # None: a byte-level BPE trained on the training text
+    eval_text: str | None = None  # a text file for an extra, out-of-domain perplexity of both models
+    vocab_size: int = 4096  # of the trained tokenizer
+    preset: str | None = None  # a MemoryFormer preset instead of the small demo shape below
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    hash_bits: int = 8
+    expand_bits: int = 2
+    block_size: int = 128
+    batch_size: int = 8
+    max_steps: int = 400
+    eval_points: int = 8  # evaluations along the run, for the curves
+    lr_multiplier: float | None = None  # None: MemoryFormer at 3x the twin's learning rate
+    decode_tokens: int = 64
+    prompt_tokens: int = 16
+    seed: int = 0
+    overwrite: bool = False
+    extra_config: dict = field(default_factory=dict)
+
+
+def memoryformer_config_for(settings: DemoSettings, tokenizer):
+    """The MemoryFormer of the demo: a preset, or the small default shape; vocabulary and special tokens from the
+    tokenizer."""
+    from .configuration_memoryformer import MemoryFormerConfig
+
+    special = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=max(settings.block_size, 2048),
+    )
+    if settings.preset:
+        return MemoryFormerConfig.from_preset(settings.preset, **special, **settings.extra_config)
+    return MemoryFormerConfig(
+        hidden_size=settings.hidden_size,
+        num_hidden_layers=settings.num_hidden_layers,
+        num_attention_heads=settings.num_attention_heads,
+        hash_bits=settings.hash_bits,
+        expand_bits=settings.expand_bits,
+        **special,
+        **settings.extra_config,
+    )
+
+
+def _check_output(out: str, overwrite: bool) -> str:
+    """Refuse to clobber a report unasked; return the work folder, renamed to `out` only when the run completes."""
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise FileExistsError(
+            f"The report folder {out!r} exists and is not empty; pass --overwrite to replace it or choose --out."
+        )
+    work = out.rstrip("/") + ".incomplete"
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    return work
+
+
+def _publish(work: str, out: str) -> None:
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    elif os.path.exists(out):
+        os.remove(out)
+    os.replace(work, out)
+
+
+def measure_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> float:
+    """Greedy decode tokens/s with the KV cache (batch 1), after a short warm-up; exactly `new_tokens` generated."""
+    model.eval()
+    kwargs = dict(do_sample=False, pad_token_id=model.config.pad_token_id, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(prompt_ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
+        start = time.perf_counter()
+        out = model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        seconds = time.perf_counter() - start
+    generated = out.shape[1] - prompt_ids.shape[1]
+    if generated != new_tokens:
+        raise RuntimeError(f"decode measurement generated {generated} tokens instead of {new_tokens}")
+    return generated / seconds
+
+
+def sample_text(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int, seed: int) -> str:
+    """A sampled continuation (top-k 40, temperature 0.8, fixed seed) of the prompt, decoded."""
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(
+            prompt_ids, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return tokenizer.decode(out[0, prompt_ids.shape[1]:])
+
+
+def loss_curves(log_history: list[dict], tokens_per_step: int) -> dict[str, list]:
+    """Train and eval loss against training tokens, from a Trainer log history."""
+    train = [(e["step"] * tokens_per_step, e["loss"]) for e in log_history if "loss" in e and "step" in e]
+    evals = [(e["step"] * tokens_per_step, e["eval_loss"]) for e in log_history if "eval_loss" in e]
+    return {"train": train, "eval": evals}
+
+
+def plot_loss_curves(curves: dict[str, dict[str, list]], path: str, title: str) -> str:
+    """One PNG: training loss (thin) and validation loss (markers) of each model against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (name, curve), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        if curve["train"]:
+            x, y = zip(*curve["train"])
+            ax.plot(x, y, color=color, alpha=0.45, linewidth=1, label=f"{name} train")
+        if curve["eval"]:
+            x, y = zip(*curve["eval"])
+            ax.plot(x, y, color=color, marker="o", linewidth=2, label=f"{name} validation")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_rate: float):
+    from .training import TrainingSettings, train
+
+    eval_steps = max(1, settings.max_steps // max(1, settings.eval_points))
+    run = TrainingSettings(
+        output_dir=output_dir,
+        max_steps=settings.max_steps,
+        per_device_batch_size=settings.batch_size,
+        learning_rate=learning_rate,
+        eval_steps=eval_steps,
+        logging_steps=max(1, min(10, settings.max_steps // 20)),
+        report_to="csv",
+        seed=settings.seed,
+    )
+    print(f"\n== training {os.path.basename(output_dir)}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+          f"lr {learning_rate:g}, {settings.max_steps} steps x {settings.batch_size} x {settings.block_size} tokens")
+    return train(model, data, run)
+
+
+def _out_of_domain_blocks(settings: DemoSettings, tokenizer) -> torch.Tensor | None:
+    """[S, block_size] token blocks of `settings.eval_text` (a text file), or None."""
+    if settings.eval_text is None:
+        return None
+    from .data import text_blocks
+
+    if not os.path.isfile(settings.eval_text):
+        raise FileNotFoundError(f"--eval-text {settings.eval_text!r} is not a file; pass a path to a text file.")
+    with open(settings.eval_text, encoding="utf-8") as f:
+        blocks = text_blocks(f.read(), tokenizer, settings.block_size)
+    if blocks.shape[0] == 0:
+        raise ValueError(f"--eval-text {settings.eval_text!r} has fewer tokens than one block of "
+                         f"{settings.block_size}; pass a longer text or a smaller --block-size.")
+    return blocks
+
+
+def run_demo(settings: DemoSettings) -> dict:
+    """Train both models, measure, plot and write the report folder; return the summary (also in summary.json).
+    The folder is written under `<out>.incomplete` and renamed when everything is in it."""
+    work = _check_output(settings.out, settings.overwrite)
+    try:
+        summary = _run_demo(settings, work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # no half-written report is left behind
+        raise
+    _publish(work, settings.out)
+    print("\n" + format_report(summary))
+    print(f"Report folder: {settings.out} (report.md, summary.json, loss_curves.png, buckets.png, samples.md)")
+    return summary
+
+
+def _run_demo(settings: DemoSettings, work: str) -> dict:
+    from transformers import set_seed
+
+    from .buckets import collect_bucket_stats, plot_bucket_histograms
+    from .convert_evaluate import perplexity
+    from .data import build_lm_data
+    from .flops import per_block_flops, pythia_block_flops
+    from .modeling_memoryformer import MemoryFormerForCausalLM
+    from .training import default_learning_rate
+    from .twin import pythia_twin
+
+    data = build_lm_data(settings.data, settings.tokenizer, block_size=settings.block_size,
+                         vocab_size=settings.vocab_size)
+    tokenizer = data.tokenizer
+    ood_blocks = _out_of_domain_blocks(settings, tokenizer)
+    mf_config = memoryformer_config_for(settings, tokenizer)
+    set_seed(settings.seed)
+    models = {"MemoryFormer": MemoryFormerForCausalLM(mf_config)}
+    set_seed(settings.seed)
+    models["Pythia twin"] = pythia_twin(mf_config)
+    twin_lr = default_learning_rate(models["Pythia twin"])
+    rates = {
+        "MemoryFormer": default_learning_rate(models["MemoryFormer"], lr_multiplier=settings.lr_multiplier),
+        "Pythia twin": twin_lr,
+    }
+    folders = {"MemoryFormer": "memoryformer", "Pythia twin": "pythia-twin"}
+    prompt = data.validation[0]["input_ids"][: settings.prompt_tokens].unsqueeze(0)
+    tokens_per_step = settings.batch_size * settings.block_size
+    seq = settings.block_size
+    flops = {"MemoryFormer": per_block_flops(mf_config, seq), "Pythia twin": pythia_block_flops(mf_config, seq)}
+
+    results, curves = {}, {}
+    for name, model in models.items():
+        result = _train_one(os.path.join(work, folders[name]), model, data, settings, rates[name])
+        model.eval()
+        results[name] = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "learning_rate": rates[name],
+            "validation_loss": result.eval_loss,
+            "validation_perplexity": result.perplexity,
+            "train_tokens_per_second": result.train_tokens_per_second,
+            "train_seconds": result.train_seconds,
+            "decode_tokens_per_second": measure_decode(model, prompt, settings.decode_tokens),
+            "flops_per_block_without_attention": flops[name]["without_attention"],
+            "flops_per_block_total": flops[name]["total"],
+            "sample": sample_text(model, tokenizer, prompt, settings.decode_tokens, settings.seed),
+        }
+        if ood_blocks is not None:
+            results[name]["eval_text_perplexity"] = perplexity(model, ood_blocks, batch_size=settings.batch_size)
+        curves[name] = loss_curves(result.log_history, tokens_per_step)
+
+    validation_batches = torch.utils.data.DataLoader(data.validation, batch_size=settings.batch_size)
+    stats = collect_bucket_stats(models["MemoryFormer"], validation_batches)
+    stats.to_json(os.path.join(work, "bucket_stats.json"))
+    plot_bucket_histograms(stats, os.path.join(work, "buckets.png"),
+                           title="MemoryFormer bucket hits on validation text (paper Fig. 4)")
+    plot_loss_curves(curves, os.path.join(work, "loss_curves.png"),
+                     title=f"{data.description}: same tokens, MemoryFormer at {rates['MemoryFormer'] / twin_lr:g}x LR")
+    entropies = stats.normalised_entropy()
+    summary = {
+        "settings": asdict(settings),
+        "data": data.description,
+        "train_tokens": settings.max_steps * tokens_per_step,
+        "validation_tokens": data.num_validation_tokens,
+        "eval_text": None if ood_blocks is None else {"path": settings.eval_text, "tokens": ood_blocks.numel()},
+        "prompt": tokenizer.decode(prompt[0]),
+        "models": results,
+        "curves": curves,
+        "bucket_entropy": {"min": min(entropies.values()), "mean": sum(entropies.values()) / len(entropies),
+                           "tables": len(entropies)},
+        "memoryformer_config": mf_config.to_dict(),
+    }
+    with open(os.path.join(work, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    report = format_report(summary)
+    with open(os.path.join(work, "report.md"), "w", encoding="utf-8") as f:
+        f.write(report)
+    with open(os.path.join(work, "samples.md"), "w", encoding="utf-8") as f:
+        for name, r in results.items():
+            f.write(f"## {name}\n\nPrompt: {summary['prompt']!r}\n\n```\n{r['sample']}\n```\n\n")
+    return summary
+
+
+def format_report(summary: dict) -> str:
+    """The markdown table of `summary` (what the demo prints and writes to report.md)."""
+    models = summary["models"]
+    mf, twin = models["MemoryFormer"], models["Pythia twin"]
+    rows = [
+        ("parameters", lambda r: f"{r['parameters'] / 1e6:.1f} M"),
+        ("learning rate", lambda r: f"{r['learning_rate']:g}"),
+        ("validation perplexity", lambda r: f"{r['validation_perplexity']:.2f}"),
+        ("validation loss", lambda r: f"{r['validation_loss']:.4f}"),
+        *([("out-of-domain perplexity (--eval-text)", lambda r: f"{r['eval_text_perplexity']:.2f}")]
+          if summary.get("eval_text") else []),
+        ("FLOPs per block w/o attention (paper formula)", lambda r: f"{r['flops_per_block_without_attention'] / 1e6:.1f} M"),
+        ("FLOPs per block, total", lambda r: f"{r['flops_per_block_total'] / 1e6:.1f} M"),
+        ("training tokens/s", lambda r: f"{r['train_tokens_per_second']:.0f}"),
+        ("decode tokens/s (batch 1, greedy, KV cache)", lambda r: f"{r['decode_tokens_per_second']:.1f}"),
+    ]
+    settings = summary["settings"]
+    lines = [
+        f"# MemoryFormer vs its Pythia-shaped twin",
+        "",
+        f"Data: {summary['data']}; {summary['train_tokens']:,} training tokens each "
+        f"({settings['max_steps']} steps x {settings['batch_size']} x {settings['block_size']}), "
+        f"{summary['validation_tokens']:,} validation tokens. FLOPs at sequence length {settings['block_size']}.",
+        *([f"Out-of-domain evaluation: {summary['eval_text']['path']} ({summary['eval_text']['tokens']:,} tokens).", ""]
+          if summary.get("eval_text") else []),
+        "",
+        "| | MemoryFormer | Pythia twin | MF / twin |",
+        "|---|---|---|---|",
+    ]
+    ratio_keys = {"validation perplexity": "validation_perplexity",
+                  "out-of-domain perplexity (--eval-text)": "eval_text_perplexity", "training tokens/s": "train_tokens_per_second",
+                  "decode tokens/s (batch 1, greedy, KV cache)": "decode_tokens_per_second",
+                  "FLOPs per block w/o attention (paper formula)": "flops_per_block_without_attention",
+                  "FLOPs per block, total": "flops_per_block_total", "parameters": "parameters"}
+    for label, fmt in rows:
+        key = ratio_keys.get(label)
+        ratio = f"{mf[key] / twin[key]:.2f}x" if key else ""
+        lines.append(f"| {label} | {fmt(mf)} | {fmt(twin)} | {ratio} |")
+    entropy = summary["bucket_entropy"]
+    lines += [
+        "",
+        f"Bucket uniformity (normalised entropy over {entropy['tables']} tables, 1 = uniform): mean "
+        f"{entropy['mean']:.3f}, min {entropy['min']:.3f}.",
+        "",
+        f"Prompt: {summary['prompt']!r}",
+        "",
+    ]
+    for name, r in models.items():
+        lines += [f"{name}: {r['sample']!r}", ""]
+    return "\n".join(lines)
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = DemoSettings()
+    parser.add_argument("--out", default=defaults.out, help="report folder (default: %(default)s)")
+    parser.add_argument("--data", default=None,
+                        help="text file, folder of .txt files or Hub dataset id (default: embedded CPython docs)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer path or Hub id (default: byte-level BPE trained on the training text)")
+    parser.add_argument("--eval-text", default=None,
+                        help="a text file for an extra out-of-domain perplexity of both models (e.g. WikiText-2)")
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="of the trained tokenizer")
+    parser.add_argument("--preset", default=None, help="MemoryFormer preset (tiny, small, base) instead of the demo shape")
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--layers", type=int, default=defaults.num_hidden_layers)
+    parser.add_argument("--heads", type=int, default=defaults.num_attention_heads)
+    parser.add_argument("--hash-bits", type=int, default=defaults.hash_bits)
+    parser.add_argument("--expand-bits", type=int, default=defaults.expand_bits)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="same for both models")
+    parser.add_argument("--lr-multiplier", type=float, default=None,
+                        help="MemoryFormer learning rate over the twin's (default: 3, the paper's rule)")
+    parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing report folder")
+
+
+def run_demo_cli(args: argparse.Namespace) -> int:
+    settings = DemoSettings(
+        out=args.out, data=args.data, tokenizer=args.tokenizer, eval_text=args.eval_text, vocab_size=args.vocab_size, preset=args.preset,
+        hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        hash_bits=args.hash_bits, expand_bits=args.expand_bits, block_size=args.block_size,
+        batch_size=args.batch_size, max_steps=args.max_steps, lr_multiplier=args.lr_multiplier,
+        decode_tokens=args.decode_tokens, seed=args.seed, overwrite=args.overwrite,
+    )
+    run_demo(settings)
+    return 0

@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 # The main job on the embedded default: no files, no network.
 demo: $(STAMP)
-	$(VENV)/bin/memoryformer demo
+	$(VENV)/bin/memoryformer demo --overwrite
 
 flops: $(STAMP)
 	$(VENV)/bin/memoryformer flops

@@ -3,6 +3,9 @@
     memoryformer demo       train a MemoryFormer and its Pythia twin side by side and report (the main job)
     memoryformer train      train a MemoryFormer on text (Trainer, the paper's recipe)
     memoryformer buckets    bucket-hit histograms of a trained model (paper Fig. 4)
+    memoryformer convert    a Pythia (GPT-NeoX) checkpoint -> MemoryFormer (table init, calibration, distillation)
+    memoryformer eval       lm-evaluation-harness on the paper's zero-shot tasks, sliding-window perplexity
+    memoryformer push       upload a saved model with a generated model card to the Hub
     memoryformer generate   build a preset, run a forward and a generation, print FLOPs and memory
     memoryformer flops      FLOPs per block and table memory against the Pythia twin (paper Table 1)
 """
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=_generate)
 
-    from . import buckets, demo, training
+    from . import buckets, conversion, demo, evaluation, hub, training
 
     demo_parser = sub.add_parser(
         "demo", help="Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report."
@@ -109,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     bucket = sub.add_parser("buckets", help="Bucket-hit histograms and uniformity of a model's hash tables (Fig. 4).")
     buckets.add_bucket_arguments(bucket)
     bucket.set_defaults(func=buckets.run_buckets)
+
+    convert = sub.add_parser("convert", help="Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer.")
+    conversion.add_convert_arguments(convert)
+    convert.set_defaults(func=conversion.run_convert)
+
+    evaluate = sub.add_parser("eval", help="Zero-shot tasks with lm-evaluation-harness; perplexity on a text file.")
+    evaluation.add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=evaluation.run_eval)
+
+    push = sub.add_parser("push", help="Push a saved model, its tokenizer and a generated model card to the Hub.")
+    hub.add_push_arguments(push)
+    push.set_defaults(func=hub.run_push)
     return parser
 
 

@@ -66,7 +66,8 @@ def run_variant(data, label: str, overrides: dict, multiplier: float, args, cach
     with tempfile.TemporaryDirectory() as out:
         result = train(model, data, TrainingSettings(
             output_dir=out, max_steps=args.max_steps, per_device_batch_size=args.batch_size, learning_rate=lr,
-            logging_steps=max(1, args.max_steps // 10), report_to="none", seed=args.seed, save_final_model=False,
+            logging_steps=max(1, args.max_steps // 10), eval_steps=args.max_steps, report_to="none", seed=args.seed,
+            save_final_model=False,
         ))
     row = {
         "label": label, "overrides": overrides, "lr_multiplier": multiplier, "learning_rate": lr,
@@ -101,7 +102,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys(r["group"] for r in rows))
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, group in zip(axes, groups):
         sel = [r for r in rows if r["group"] == group]
         ax.bar(range(len(sel)), [r["validation_perplexity"] for r in sel], color="tab:blue")

@@ -261,7 +261,7 @@ def plot_bucket_histograms(
     stats: BucketStats, path: str, tables: list[str] | None = None, title: str | None = None
 ) -> str:
     """Write a PNG with one panel per table ("LAYER[k]"; default `default_tables`): the hit frequency of every bucket
-    index as bars, the uniform frequency 1 / 2**bits as a dashed line, the normalised entropy in the panel title.
+    index as a filled histogram, the uniform frequency 1 / 2**bits as a dashed line, the normalised entropy in the panel title.
     Returns `path`."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, safe in threads and headless runs
 
@@ -282,7 +282,9 @@ def plot_bucket_histograms(
         counts = stats.counts[name][k].to(torch.float64)
         buckets = counts.numel()
         ax = fig.add_subplot(rows, columns, i + 1)
-        ax.bar(range(buckets), (counts / counts.sum()).tolist(), width=1.0, color="tab:blue", linewidth=0)
+        # a filled step outline: bars of 1024 buckets would be narrower than a pixel and vanish when rendered
+        ax.stairs((counts / counts.sum()).tolist(), [b - 0.5 for b in range(buckets + 1)], fill=True,
+                  color="tab:blue", linewidth=0.6)
         ax.axhline(1.0 / buckets, color="tab:red", linestyle="--", linewidth=1, label="uniform 1/2^bits")
         ax.set_xlim(-0.5, buckets - 0.5)
         ax.set_title(f"{name.removeprefix('model.')}[{k}]\nnormalised entropy {entropies[key]:.3f}", fontsize=8)

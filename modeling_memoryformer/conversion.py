@@ -346,17 +346,15 @@ def report_markdown(report: dict) -> str:
 def plot_layer_errors(report: dict, path: str) -> bool:
     """Per-layer relative errors, one line per stage; returns False (and writes nothing) without matplotlib or data."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend (e.g. a notebook's) alone
     except ImportError:
         return False
     stages = {name: s["layer_errors"] for name, s in report["stages"].items() if "layer_errors" in s}
     if not stages:
         return False
     labels = [f"{block}.{SHORT_NAMES[name]}" for block, names in enumerate(next(iter(stages.values()))) for name in names]
-    figure, axis = plt.subplots(figsize=(max(6, 0.45 * len(labels)), 4))
+    figure = Figure(figsize=(max(6, 0.45 * len(labels)), 4))
+    axis = figure.add_subplot()
     for name, errors in stages.items():
         axis.plot(labels, [value for block in errors for value in block.values()], marker="o", label=name)
     axis.set_ylabel("relative L2 error vs dense layer")
@@ -367,7 +365,6 @@ def plot_layer_errors(report: dict, path: str) -> bool:
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return True
 
 

@@ -46,6 +46,7 @@ class DemoSettings:
     prompt_tokens: int = 16
     seed: int = 0
     overwrite: bool = False
+    progress: bool = True  # progress bars (tokenizing, training, bucket counting)
     extra_config: dict = field(default_factory=dict)
 
 
@@ -129,12 +130,10 @@ def loss_curves(log_history: list[dict], tokens_per_step: int) -> dict[str, list
 
 def plot_loss_curves(curves: dict[str, dict[str, list]], path: str, title: str) -> str:
     """One PNG: training loss (thin) and validation loss (markers) of each model against training tokens."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend (e.g. a notebook's) alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
     for (name, curve), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         if curve["train"]:
             x, y = zip(*curve["train"])
@@ -149,7 +148,6 @@ def plot_loss_curves(curves: dict[str, dict[str, list]], path: str, title: str) 
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -166,6 +164,7 @@ def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_ra
         logging_steps=max(1, min(10, settings.max_steps // 20)),
         report_to="csv",
         seed=settings.seed,
+        progress=settings.progress,
     )
     print(f"\n== training {os.path.basename(output_dir)}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
           f"lr {learning_rate:g}, {settings.max_steps} steps x {settings.batch_size} x {settings.block_size} tokens")
@@ -215,7 +214,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     from .twin import pythia_twin
 
     data = build_lm_data(settings.data, settings.tokenizer, block_size=settings.block_size,
-                         vocab_size=settings.vocab_size)
+                         vocab_size=settings.vocab_size, progress=settings.progress)
     tokenizer = data.tokenizer
     ood_blocks = _out_of_domain_blocks(settings, tokenizer)
     mf_config = memoryformer_config_for(settings, tokenizer)
@@ -255,7 +254,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
         curves[name] = loss_curves(result.log_history, tokens_per_step)
 
     validation_batches = torch.utils.data.DataLoader(data.validation, batch_size=settings.batch_size)
-    stats = collect_bucket_stats(models["MemoryFormer"], validation_batches)
+    stats = collect_bucket_stats(models["MemoryFormer"], validation_batches, progress=settings.progress)
     stats.to_json(os.path.join(work, "bucket_stats.json"))
     plot_bucket_histograms(stats, os.path.join(work, "buckets.png"),
                            title="MemoryFormer bucket hits on validation text (paper Fig. 4)")
@@ -362,6 +361,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run_demo_cli(args: argparse.Namespace) -> int:
@@ -371,6 +371,7 @@ def run_demo_cli(args: argparse.Namespace) -> int:
         hash_bits=args.hash_bits, expand_bits=args.expand_bits, block_size=args.block_size,
         batch_size=args.batch_size, max_steps=args.max_steps, lr_multiplier=args.lr_multiplier,
         decode_tokens=args.decode_tokens, seed=args.seed, overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     run_demo(settings)
     return 0

@@ -285,7 +285,9 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     timer = StepTimer()
     trainer = build_trainer(model, data, settings, callbacks=[timer, *callbacks])
     trainer.train(resume_from_checkpoint=settings.resume_from_checkpoint)
-    metrics = trainer.evaluate()
+    last = trainer.state.log_history[-2:] if trainer.state.log_history else []
+    final = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
+    metrics = final[-1] if final else trainer.evaluate()  # the last step may have evaluated already
     if settings.save_final_model:
         trainer.save_model(settings.output_dir)
         trainer.save_state()

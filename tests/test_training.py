@@ -91,6 +91,7 @@ def test_training_learns_and_reports_perplexity(tmp_path):
     assert result.train_tokens == 60 * 4 * data.block_size
     assert result.train_tokens_per_second > 0
     evals = [e for e in result.log_history if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [30, 60]  # the final step's evaluation is not repeated
     assert all(e["eval_perplexity"] == pytest.approx(math.exp(e["eval_loss"])) for e in evals)
 
 

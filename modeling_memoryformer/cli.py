@@ -78,7 +78,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memoryformer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="memoryformer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     flops = sub.add_parser("flops", help="FLOPs per block and table memory against the Pythia twin (paper Table 1).")
@@ -99,31 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import buckets, conversion, demo, evaluation, hub, training
 
-    demo_parser = sub.add_parser(
-        "demo", help="Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report."
+    tools = (  # (command, help, module that defines its arguments, its runner)
+        ("demo", "Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report.",
+         demo.add_demo_arguments, demo.run_demo_cli),
+        ("train", "Train a MemoryFormer with transformers.Trainer and the paper's recipe.",
+         training.add_train_arguments, training.run_train),
+        ("buckets", "Bucket-hit histograms and uniformity of a model's hash tables (Fig. 4).",
+         buckets.add_bucket_arguments, buckets.run_buckets),
+        ("convert", "Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer.",
+         conversion.add_convert_arguments, conversion.run_convert),
+        ("eval", "Zero-shot tasks with lm-evaluation-harness; perplexity on a text file.",
+         evaluation.add_eval_arguments, evaluation.run_eval),
+        ("push", "Push a saved model, its tokenizer and a generated model card to the Hub.",
+         hub.add_push_arguments, hub.run_push),
     )
-    demo.add_demo_arguments(demo_parser)
-    demo_parser.set_defaults(func=demo.run_demo_cli)
-
-    train = sub.add_parser("train", help="Train a MemoryFormer with transformers.Trainer and the paper's recipe.")
-    training.add_train_arguments(train)
-    train.set_defaults(func=training.run_train)
-
-    bucket = sub.add_parser("buckets", help="Bucket-hit histograms and uniformity of a model's hash tables (Fig. 4).")
-    buckets.add_bucket_arguments(bucket)
-    bucket.set_defaults(func=buckets.run_buckets)
-
-    convert = sub.add_parser("convert", help="Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer.")
-    conversion.add_convert_arguments(convert)
-    convert.set_defaults(func=conversion.run_convert)
-
-    evaluate = sub.add_parser("eval", help="Zero-shot tasks with lm-evaluation-harness; perplexity on a text file.")
-    evaluation.add_eval_arguments(evaluate)
-    evaluate.set_defaults(func=evaluation.run_eval)
-
-    push = sub.add_parser("push", help="Push a saved model, its tokenizer and a generated model card to the Hub.")
-    hub.add_push_arguments(push)
-    push.set_defaults(func=hub.run_push)
+    for name, help_text, add_arguments, run in tools:
+        command = sub.add_parser(name, help=help_text)
+        add_arguments(command)
+        command.set_defaults(func=run)
     return parser
 
 

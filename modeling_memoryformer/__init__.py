@@ -27,6 +27,12 @@ MemoryFormerConfig.register_for_auto_class("AutoConfig")
 MemoryFormerModel.register_for_auto_class("AutoModel")
 MemoryFormerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
+# `model.push_to_hub(...)` uploads the generated MemoryFormer model card (architecture, FLOPs, usage) instead of
+# transformers' generic one.
+from .hub import model_card as _model_card  # noqa: E402
+
+MemoryFormerPreTrainedModel.model_card_writer = _model_card
+
 __all__ = [
     "MemoryFormerConfig",
     "MemoryFormerModel",

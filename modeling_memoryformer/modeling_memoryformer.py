@@ -8,6 +8,7 @@ norm -> Memory Layer -> rotary -> attention -> Memory Block -> decoder layer -> 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -370,6 +371,10 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
         "attentions": MemoryFormerAttention,
     }
 
+    # Builds the README.md that `push_to_hub` uploads: (model, repo_id=..., tags=[...]) -> markdown. The package sets
+    # it on import (`modeling_memoryformer.hub.model_card`); remote code without the package keeps transformers' card.
+    model_card_writer: Callable | None = None
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -391,6 +396,19 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
                 "AutoModelForCausalLM": f"{module}.MemoryFormerForCausalLM",
             }
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        # `push_to_hub` has written transformers' generic card (with the caller's tags) into working_dir: replace it
+        # with the MemoryFormer card, keeping those tags.
+        writer = type(self).model_card_writer
+        card_path = os.path.join(working_dir, "README.md")
+        if writer is not None and os.path.isfile(card_path):
+            from huggingface_hub import ModelCard
+
+            tags = [tag for tag in (ModelCard.load(card_path).data.tags or []) if tag not in ("memoryformer",)]
+            with open(card_path, "w", encoding="utf-8") as f:
+                f.write(writer(self, repo_id=repo_id, tags=tags or None))
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
 class MemoryFormerModel(MemoryFormerPreTrainedModel):

@@ -318,7 +318,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the embedded CPython documentation)")
     parser.add_argument("--text-column", default="text", help="text column of a dataset (default: %(default)s)")
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer path or Hub id (default: a byte-level BPE trained on the training text)")
+                        help="tokenizer path or Hub id (default: --model's own, else a byte-level BPE trained on the "
+                             "training text)")
     parser.add_argument("--vocab-size", type=int, default=4096, help="of the trained BPE tokenizer")
     parser.add_argument("--model", default=None, help="a saved MemoryFormer (folder or Hub id) to continue training")
     parser.add_argument("--preset", default=None, help="MemoryFormer preset (tiny, small, base)")
@@ -353,7 +354,8 @@ def run_train(args: argparse.Namespace) -> int:
     from .data import build_lm_data
     from .modeling_memoryformer import MemoryFormerForCausalLM
 
-    tokenizer = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
+    # a saved model keeps its own tokenizer: a freshly trained BPE would not match its embeddings
+    tokenizer = args.tokenizer or args.model
     data = build_lm_data(args.data, tokenizer, block_size=args.block_size, vocab_size=args.vocab_size,
                          text_column=args.text_column)
     set_seed(args.seed)

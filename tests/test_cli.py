@@ -69,3 +69,14 @@ def test_buckets_command_on_the_trained_model(trained, capsys):
     stats = json.loads((report / "bucket_stats.json").read_text())
     assert stats["tokens"] > 0
     assert (report / "buckets.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_command_continues_a_saved_model_with_its_own_tokenizer(trained, tmp_path):
+    _, text, out = trained
+    code = cli.main(["train", "--model", str(out), "--out", str(tmp_path / "more"), "--data", str(text),
+                     "--block-size", "32", "--batch-size", "4", "--max-steps", "2", "--report-to", "none"])
+    assert code == 0
+    before, after = (AutoModelForCausalLM.from_pretrained(p) for p in (out, tmp_path / "more"))
+    assert after.config.to_dict()["vocab_size"] == before.config.vocab_size
+    assert AutoTokenizer.from_pretrained(tmp_path / "more").get_vocab() == AutoTokenizer.from_pretrained(out).get_vocab()
+    assert not torch.equal(before.lm_head.weight, after.lm_head.weight)  # the two steps trained it

@@ -28,10 +28,10 @@ import tempfile
 import torch
 from transformers import set_seed
 
-from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
+from modeling_memoryformer import MemoryFormerForCausalLM
 from modeling_memoryformer.data import build_lm_data
 from modeling_memoryformer.flops import per_block_flops, table_memory
-from modeling_memoryformer.training import TrainingSettings, default_learning_rate, train
+from modeling_memoryformer.training import TrainingSettings, config_for_tokenizer, default_learning_rate, train
 
 BASE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, hash_bits=8, expand_bits=2)
 
@@ -57,9 +57,7 @@ def run_variant(data, label: str, overrides: dict, multiplier: float, args, cach
     key = json.dumps([overrides, multiplier], sort_keys=True)
     if key in cache:  # the base variant appears in every group: train it once
         return dict(cache[key], label=label)
-    tok = data.tokenizer
-    config = MemoryFormerConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, **{**BASE, **overrides})
+    config = config_for_tokenizer(data.tokenizer, None, {**BASE, **overrides}, args.block_size)
     set_seed(args.seed)
     model = MemoryFormerForCausalLM(config)
     lr = default_learning_rate(model, lr_multiplier=multiplier)

@@ -53,26 +53,12 @@ class DemoSettings:
 def memoryformer_config_for(settings: DemoSettings, tokenizer):
     """The MemoryFormer of the demo: a preset, or the small default shape; vocabulary and special tokens from the
     tokenizer."""
-    from .configuration_memoryformer import MemoryFormerConfig
+    from .training import config_for_tokenizer
 
-    special = dict(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_position_embeddings=max(settings.block_size, 2048),
-    )
-    if settings.preset:
-        return MemoryFormerConfig.from_preset(settings.preset, **special, **settings.extra_config)
-    return MemoryFormerConfig(
-        hidden_size=settings.hidden_size,
-        num_hidden_layers=settings.num_hidden_layers,
-        num_attention_heads=settings.num_attention_heads,
-        hash_bits=settings.hash_bits,
-        expand_bits=settings.expand_bits,
-        **special,
-        **settings.extra_config,
-    )
+    shape = dict(hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
+                 num_attention_heads=settings.num_attention_heads, hash_bits=settings.hash_bits,
+                 expand_bits=settings.expand_bits)
+    return config_for_tokenizer(tokenizer, settings.preset, shape, settings.block_size, **settings.extra_config)
 
 
 def _check_output(out: str, overwrite: bool) -> str:

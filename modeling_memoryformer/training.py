@@ -307,6 +307,23 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     )
 
 
+def config_for_tokenizer(tokenizer, preset: str | None, shape: dict, block_size: int, **overrides):
+    """A MemoryFormerConfig whose vocabulary and special tokens are the tokenizer's: the preset's shape (with
+    `overrides`), or `shape` (hidden_size, num_hidden_layers, ... fields) when no preset is named."""
+    from .configuration_memoryformer import MemoryFormerConfig
+
+    special = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=max(block_size, 2048),
+    )
+    if preset:
+        return MemoryFormerConfig.from_preset(preset, **special, **overrides)
+    return MemoryFormerConfig(**shape, **special, **overrides)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # `memoryformer train`
 
@@ -350,7 +367,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, set_seed
 
-    from .configuration_memoryformer import MemoryFormerConfig
     from .data import build_lm_data
     from .modeling_memoryformer import MemoryFormerForCausalLM
 
@@ -365,16 +381,9 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"The model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                              f"({len(data.tokenizer)}); pass the model's own tokenizer with --tokenizer.")
     else:
-        tok = data.tokenizer
-        special = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id,
-                       max_position_embeddings=max(2048, args.block_size))
-        if args.preset:
-            config = MemoryFormerConfig.from_preset(args.preset, **special)
-        else:
-            config = MemoryFormerConfig(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                                        num_attention_heads=args.heads, hash_bits=args.hash_bits,
-                                        expand_bits=args.expand_bits, **special)
+        shape = dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                     hash_bits=args.hash_bits, expand_bits=args.expand_bits)
+        config = config_for_tokenizer(data.tokenizer, args.preset, shape, args.block_size)
         model = MemoryFormerForCausalLM(config)
     resume = {"latest": True, None: None}.get(args.resume, args.resume)
     settings = TrainingSettings(
@@ -401,6 +410,7 @@ __all__ = [
     "TrainingResult",
     "TrainingSettings",
     "build_trainer",
+    "config_for_tokenizer",
     "default_learning_rate",
     "dense_learning_rate",
     "no_decay_parameter_names",

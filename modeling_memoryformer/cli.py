@@ -126,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "seq_len", 1) <= 0:
         print(f"error: --seq-len must be positive, got {args.seq_len}", file=sys.stderr)
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        # bad input: the message names the problem and the fix; a traceback would only bury it
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -370,6 +370,15 @@ def run_train(args: argparse.Namespace) -> int:
     from .data import build_lm_data
     from .modeling_memoryformer import MemoryFormerForCausalLM
 
+    # settings first: bad values fail before any data is read or tokenizer trained
+    resume = {"latest": True, None: None}.get(args.resume, args.resume)
+    settings = TrainingSettings(
+        output_dir=args.out, max_steps=args.max_steps, per_device_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_multiplier=args.lr_multiplier,
+        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, bf16=args.bf16, eval_steps=args.eval_steps,
+        logging_steps=args.logging_steps, save_steps=args.save_steps, report_to=args.report_to, seed=args.seed,
+        resume_from_checkpoint=resume,
+    )
     # a saved model keeps its own tokenizer: a freshly trained BPE would not match its embeddings
     tokenizer = args.tokenizer or args.model
     data = build_lm_data(args.data, tokenizer, block_size=args.block_size, vocab_size=args.vocab_size,
@@ -385,19 +394,13 @@ def run_train(args: argparse.Namespace) -> int:
                      hash_bits=args.hash_bits, expand_bits=args.expand_bits)
         config = config_for_tokenizer(data.tokenizer, args.preset, shape, args.block_size)
         model = MemoryFormerForCausalLM(config)
-    resume = {"latest": True, None: None}.get(args.resume, args.resume)
-    settings = TrainingSettings(
-        output_dir=args.out, max_steps=args.max_steps, per_device_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_multiplier=args.lr_multiplier,
-        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, bf16=args.bf16, eval_steps=args.eval_steps,
-        logging_steps=args.logging_steps, save_steps=args.save_steps, report_to=args.report_to, seed=args.seed,
-        resume_from_checkpoint=resume,
-    )
-    print(f"{data.description}: {data.num_train_tokens:,} training / {data.num_validation_tokens:,} validation "
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate, rank 0 reports
+    say = print if main_process else (lambda *a, **k: None)
+    say(f"{data.description}: {data.num_train_tokens:,} training / {data.num_validation_tokens:,} validation "
           f"tokens; {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
           f"lr {settings.learning_rate or default_learning_rate(model, settings.lr_multiplier):g}")
     result = train(model, data, settings)
-    print(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; "
+    say(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; "
           f"{result.train_tokens_per_second:,.0f} training tokens/s; model saved to {args.out}")
     return 0
 

@@ -80,3 +80,11 @@ def test_train_command_continues_a_saved_model_with_its_own_tokenizer(trained, t
     assert after.config.to_dict()["vocab_size"] == before.config.vocab_size
     assert AutoTokenizer.from_pretrained(tmp_path / "more").get_vocab() == AutoTokenizer.from_pretrained(out).get_vocab()
     assert not torch.equal(before.lm_head.weight, after.lm_head.weight)  # the two steps trained it
+
+
+def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path, capsys):
+    assert cli.main(["train", "--out", str(tmp_path / "x"), "--data", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(tmp_path / "y"), "--max-steps", "0", "--hidden-size", "32", "--layers", "1",
+                     "--heads", "2", "--hash-bits", "4", "--vocab-size", "300"]) == 2
+    assert "max_steps must be >= 1" in capsys.readouterr().err

@@ -102,10 +102,14 @@ def check_settings(settings: ConvertSettings):
     return source_config, config
 
 
+class OutputExistsError(ConversionError, FileExistsError):
+    """The output folder exists and replacing it was not asked for."""
+
+
 def check_output_folder(out: str, overwrite: bool) -> None:
     """An existing output is replaced only when it is a folder and `overwrite` is set."""
     if os.path.exists(out) and not (overwrite and os.path.isdir(out)):
-        raise ConversionError(
+        raise OutputExistsError(
             f"--out {out!r} already exists. Choose a new folder, or pass --overwrite to replace a folder."
         )
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -59,26 +58,6 @@ def memoryformer_config_for(settings: DemoSettings, tokenizer):
                  num_attention_heads=settings.num_attention_heads, hash_bits=settings.hash_bits,
                  expand_bits=settings.expand_bits)
     return config_for_tokenizer(tokenizer, settings.preset, shape, settings.block_size, **settings.extra_config)
-
-
-def _check_output(out: str, overwrite: bool) -> str:
-    """Refuse to clobber a report unasked; return the work folder, renamed to `out` only when the run completes."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-        raise FileExistsError(
-            f"The report folder {out!r} exists and is not empty; pass --overwrite to replace it or choose --out."
-        )
-    work = out.rstrip("/") + ".incomplete"
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    return work
-
-
-def _publish(work: str, out: str) -> None:
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    elif os.path.exists(out):
-        os.remove(out)
-    os.replace(work, out)
 
 
 def measure_decode(model, prompt_ids: torch.Tensor, new_tokens: int, repeats: int = 3) -> float:
@@ -179,14 +158,12 @@ def _out_of_domain_blocks(settings: DemoSettings, tokenizer) -> torch.Tensor | N
 
 def run_demo(settings: DemoSettings) -> dict:
     """Train both models, measure, plot and write the report folder; return the summary (also in summary.json).
-    The folder is written under `<out>.incomplete` and renamed when everything is in it."""
-    work = _check_output(settings.out, settings.overwrite)
-    try:
+    The folder is written under a temporary sibling name and renamed when everything is in it (`staged_folder`): a
+    failed run leaves nothing behind, and an existing folder is replaced only with `overwrite`."""
+    from .conversion import staged_folder
+
+    with staged_folder(settings.out, settings.overwrite) as work:
         summary = _run_demo(settings, work)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)  # no half-written report is left behind
-        raise
-    _publish(work, settings.out)
     print("\n" + format_report(summary))
     print(f"Report folder: {settings.out} (report.md, summary.json, loss_curves.png, buckets.png, samples.md)")
     return summary

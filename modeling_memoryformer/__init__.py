@@ -29,9 +29,9 @@ MemoryFormerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 # `model.push_to_hub(...)` uploads the generated MemoryFormer model card (architecture, FLOPs, usage) instead of
 # transformers' generic one.
-from .hub import model_card as _model_card  # noqa: E402
+from .hub import write_model_card as _write_model_card  # noqa: E402
 
-MemoryFormerPreTrainedModel.model_card_writer = _model_card
+MemoryFormerPreTrainedModel.model_card_writer = _write_model_card
 
 __all__ = [
     "MemoryFormerConfig",

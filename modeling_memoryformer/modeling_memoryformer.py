@@ -8,7 +8,6 @@ norm -> Memory Layer -> rotary -> attention -> Memory Block -> decoder layer -> 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -371,8 +370,9 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
         "attentions": MemoryFormerAttention,
     }
 
-    # Builds the README.md that `push_to_hub` uploads: (model, repo_id=..., tags=[...]) -> markdown. The package sets
-    # it on import (`modeling_memoryformer.hub.model_card`); remote code without the package keeps transformers' card.
+    # Writes the README.md that `push_to_hub` uploads: (model, folder, repo_id) -> path, keeping the tags of the card
+    # already in the folder. The package sets it on import (`modeling_memoryformer.hub.write_model_card`); remote code
+    # without the package keeps transformers' card.
     model_card_writer: Callable | None = None
 
     @torch.no_grad()
@@ -399,15 +399,10 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         # `push_to_hub` has written transformers' generic card (with the caller's tags) into working_dir: replace it
-        # with the MemoryFormer card, keeping those tags.
+        # with the MemoryFormer card.
         writer = type(self).model_card_writer
-        card_path = os.path.join(working_dir, "README.md")
-        if writer is not None and os.path.isfile(card_path):
-            from huggingface_hub import ModelCard
-
-            tags = [tag for tag in (ModelCard.load(card_path).data.tags or []) if tag not in ("memoryformer",)]
-            with open(card_path, "w", encoding="utf-8") as f:
-                f.write(writer(self, repo_id=repo_id, tags=tags or None))
+        if writer is not None:
+            writer(self, working_dir, repo_id)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 

@@ -146,8 +146,6 @@ def _out_of_domain_blocks(settings: DemoSettings, tokenizer) -> torch.Tensor | N
         return None
     from .data import text_blocks
 
-    if not os.path.isfile(settings.eval_text):
-        raise FileNotFoundError(f"--eval-text {settings.eval_text!r} is not a file; pass a path to a text file.")
     with open(settings.eval_text, encoding="utf-8") as f:
         blocks = text_blocks(f.read(), tokenizer, settings.block_size)
     if blocks.shape[0] == 0:
@@ -162,6 +160,8 @@ def run_demo(settings: DemoSettings) -> dict:
     failed run leaves nothing behind, and an existing folder is replaced only with `overwrite`."""
     from .conversion import staged_folder
 
+    if settings.eval_text is not None and not os.path.isfile(settings.eval_text):  # before any work is done
+        raise FileNotFoundError(f"--eval-text {settings.eval_text!r} is not a file; pass a path to a text file.")
     with staged_folder(settings.out, settings.overwrite) as work:
         summary = _run_demo(settings, work)
     print("\n" + format_report(summary))

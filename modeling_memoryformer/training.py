@@ -241,14 +241,17 @@ def training_arguments(settings: TrainingSettings, model: nn.Module) -> Training
     return TrainingArguments(**arguments)
 
 
+def tokens_per_step(args: TrainingArguments, block_size: int) -> int:
+    """Tokens one optimizer step consumes over all processes."""
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * block_size
+
+
 def build_trainer(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> MemoryFormerTrainer:
     """A `MemoryFormerTrainer` for `model` on `data` (an `LMData`: `.train`, `.validation`, `.tokenizer`)."""
     args = training_arguments(settings, model)
-    world = args.world_size
-    tokens_per_step = settings.per_device_batch_size * settings.gradient_accumulation_steps * world * data.block_size
     extra = []
     if "csv" in settings.report_to.split(","):
-        extra.append(CSVLogger(os.path.join(settings.output_dir, "log.csv"), tokens_per_step))
+        extra.append(CSVLogger(os.path.join(settings.output_dir, "log.csv"), tokens_per_step(args, data.block_size)))
     return MemoryFormerTrainer(
         model=model,
         args=args,
@@ -291,17 +294,14 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     if settings.save_final_model:
         trainer.save_model(settings.output_dir)
         trainer.save_state()
-    args = trainer.args
-    tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    tokens_per_step *= data.block_size
-    steps_run = timer.steps
+    step_tokens = tokens_per_step(trainer.args, data.block_size)
     return TrainingResult(
         eval_loss=metrics["eval_loss"],
         perplexity=metrics["eval_perplexity"],
         steps=trainer.state.global_step,
-        train_tokens=trainer.state.global_step * tokens_per_step,
+        train_tokens=trainer.state.global_step * step_tokens,
         train_seconds=timer.seconds,
-        train_tokens_per_second=steps_run * tokens_per_step / timer.seconds if timer.seconds else float("nan"),
+        train_tokens_per_second=timer.steps * step_tokens / timer.seconds if timer.seconds else float("nan"),
         log_history=list(trainer.state.log_history),
         output_dir=settings.output_dir,
     )

@@ -32,11 +32,17 @@ CPP_SOURCE = r"""
 #include <torch/library.h>
 
 #include <sys/mman.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -45,6 +51,8 @@ constexpr int64_t kCols = 256;             // output columns accumulated in regi
 constexpr int64_t kAhead = 16;             // table rows prefetched this many lookups ahead
 constexpr int64_t kSerialWork = 1 << 18;   // below this many multiply-adds, one thread
 constexpr int64_t kSmallBatch = 64;        // up to this many tokens the forward uses our own gather kernel
+constexpr int64_t kBucketedBytes = 48 << 20;  // tables at least this large (beyond L3) ...
+constexpr int64_t kBucketedHits = 4;          // ... and at least this many lookups per row: bucketed forward
 
 // exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
 // so that the compiler vectorises loops that call it.
@@ -146,7 +154,7 @@ void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, in
   const int64_t D = K * tau;
   const A c = static_cast<A>(2.0 / temperature);
   parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), e(D), prod(K), norm(K);
+    std::vector<A> z(D), e(D), a(D), b(D), prod(K), norm(K);
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t i = 0; i < D; ++i) z[i] = to_acc(x[n * D + i]);
       A* pr = prod.data();
@@ -163,19 +171,24 @@ void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, in
           nm[k] += std::abs(zz[k * tau + i]);
         }
       }
+      // d score / d z_j = sign(z_j) * (a_k + b_k * e_j / (1 + e_j)) with, for chunk k (p = 1 / prod):
+      //   paper: a = 0,        b = (2/t) p          (d p / d z_j = p (2/t) sign(z_j) e_j / (1 + e_j))
+      //   l1:    a = p,        b = (2/t) p ||z_k||_1
+      // a and b (times the incoming gradient) are spread over their chunk, then one vector pass over all D values.
       const A* g = gs + n * K;
-      X* gxn = gx + n * D;
+      A* av = a.data();
+      A* bv = b.data();
       for (int64_t k = 0; k < K; ++k) {
-        const A p = A(1) / pr[k], gk = g[k], nk = nm[k];
+        const A p = A(1) / pr[k], gk = g[k];
+        const A ak = l1 ? gk * p : A(0), bk = gk * c * p * (l1 ? nm[k] : A(1));
+        for (int64_t i = 0; i < tau; ++i) { av[k * tau + i] = ak; bv[k * tau + i] = bk; }
+      }
+      X* gxn = gx + n * D;
 #pragma omp simd
-        for (int64_t i = 0; i < tau; ++i) {
-          const int64_t j = k * tau + i;
-          const A v = zz[j];
-          const A sg = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
-          // d p / d z_j = p * (2/t) * sign(z_j) * e_j / (1 + e_j)
-          const A dp = p * c * sg * ee[j] / (A(1) + ee[j]);
-          gxn[j] = static_cast<X>(gk * (l1 ? sg * p + nk * dp : dp));
-        }
+      for (int64_t j = 0; j < D; ++j) {
+        const A v = zz[j];
+        const A sg = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
+        gxn[j] = static_cast<X>(sg * (av[j] + bv[j] * (ee[j] / (A(1) + ee[j]))));
       }
     }
   });
@@ -216,89 +229,351 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
   });
 }
 
-// grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>: same access pattern as the forward, read-only.
-template <typename T>
-void grad_scores_kernel(const typename Acc<T>::type* gy, const int64_t* rows, const T* tables,
-                        typename Acc<T>::type* gs, int64_t N, int64_t K, int64_t D) {
-  using A = typename Acc<T>::type;
-  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t* rn = rows + n * K;
-      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
-      A* gsn = gs + n * K;
-      for (int64_t k = 0; k < K; ++k) gsn[k] = 0;
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        const A* g = gy + n * D + c0;
-        for (int64_t k = 0; k < K; ++k) {
-          if (k + kAhead < ahead_limit) prefetch_span(tables + rn[k + kAhead] * D + c0, w);
-          const T* t = tables + rn[k] * D + c0;
-          A dot = 0;
-          if (w == kCols) {
-#pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j < kCols; ++j) dot += g[j] * to_acc(t[j]);
-          } else {
-            for (int64_t j = 0; j < w; ++j) dot += g[j] * to_acc(t[j]);
-          }
-          gsn[k] += dot;
-        }
+// ------------------------------------------------------------------------------------------------ bucketed passes
+// For many tokens the lookups are grouped by table row (a counting sort per table: each table holds every token
+// exactly once), and the work is split by column blocks of kBlock columns. One column block of all tokens
+// (at most kChunk tokens x kBlock floats = 512 KB) lives in a contiguous buffer that stays in L2, while the rows of
+// the table are streamed once, in order, each hit row loaded into registers once and applied to all of its tokens.
+// The table is then read once per call instead of once per lookup (N / 2**tau times), and the random accesses go to
+// L2 instead of L3 / DRAM. The buffer is compact because a strided column block of a [N, D] matrix with D*4 a
+// multiple of 2 KB maps onto a few cache sets only.
+constexpr int64_t kBlock = 64;     // columns per block
+constexpr int64_t kChunk = 2048;   // tokens per pass (kChunk * kBlock floats in the buffer)
+constexpr int64_t kRowAhead = 12;  // table rows prefetched ahead in the stream
+
+template <typename A> struct Buckets {
+  std::vector<int64_t> start;   // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
+  std::vector<int32_t> token;   // [n * K]: token (chunk-relative) of each position
+  std::vector<A> score;         // [n * K]: its score
+  std::vector<int64_t> lookup;  // [n * K]: flat lookup index n * K + k of each position (to scatter score gradients)
+};
+
+// Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
+template <typename A>
+void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, int64_t P, Buckets<A>& b) {
+  b.start.resize(K * P + 1);
+  b.token.resize(n * K);
+  b.score.resize(n * K);
+  b.lookup.resize(n * K);
+  int64_t* st = b.start.data();
+  int32_t* tok = b.token.data();
+  A* sc = b.score.data();
+  int64_t* lk = b.lookup.data();
+  parallel_tokens(K, n * K * 8, [=](int64_t k0, int64_t k1) {
+    std::vector<int64_t> fill(P);
+    for (int64_t k = k0; k < k1; ++k) {
+      std::fill(fill.begin(), fill.end(), 0);
+      for (int64_t i = 0; i < n; ++i) ++fill[rows[i * K + k] - k * P];
+      int64_t pos = k * n;
+      for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = fill[rows[i * K + k] - k * P]++;
+        tok[at] = static_cast<int32_t>(i);
+        sc[at] = scores[i * K + k];
+        lk[at] = i * K + k;
       }
     }
   });
+  st[K * P] = n * K;
 }
 
-// grad_tables[r] = sum over lookups (n, k) that hit row r of scores[n, k] * grad_y[n]. The lookups are grouped by
-// row with a counting sort, then rows are split between threads: every row is written once, by one thread, with
-// no atomics and no read-modify-write of the (large) gradient; rows nobody hit are written as zeros.
-template <typename T>
-void grad_tables_kernel(const typename Acc<T>::type* gy, const int64_t* rows, const typename Acc<T>::type* scores,
-                        T* gt, int64_t N, int64_t K, int64_t R, int64_t D) {
+template <typename T> inline void prefetch_row(const T* p, int64_t w) { prefetch_span(p, w); }
+
+#if defined(__AVX512F__)
+// float32 blocks of 64 columns with the row and the accumulators held in four zmm registers (the compiler does not
+// keep the generic loops' arrays in registers across the hit loop).
+inline void scatter_hits_f32x64(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                                float* buf) {
+  const __m512 t0 = _mm512_loadu_ps(t), t1 = _mm512_loadu_ps(t + 16), t2 = _mm512_loadu_ps(t + 32),
+               t3 = _mm512_loadu_ps(t + 48);
+  for (int64_t e = e0; e < e1; ++e) {
+    float* y = buf + int64_t(tok[e]) * 64;
+    const __m512 s = _mm512_set1_ps(sc[e]);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(s, t0, _mm512_loadu_ps(y)));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(s, t1, _mm512_loadu_ps(y + 16)));
+    _mm512_storeu_ps(y + 32, _mm512_fmadd_ps(s, t2, _mm512_loadu_ps(y + 32)));
+    _mm512_storeu_ps(y + 48, _mm512_fmadd_ps(s, t3, _mm512_loadu_ps(y + 48)));
+  }
+}
+
+template <bool kTables, bool kScores>
+inline void backward_hits_f32x64(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                                 const float* buf, float* acc, float* part) {
+  __m512 t0, t1, t2, t3, a0, a1, a2, a3;
+  if (kScores) {
+    t0 = _mm512_loadu_ps(t); t1 = _mm512_loadu_ps(t + 16); t2 = _mm512_loadu_ps(t + 32); t3 = _mm512_loadu_ps(t + 48);
+  }
+  if (kTables) {
+    a0 = _mm512_loadu_ps(acc); a1 = _mm512_loadu_ps(acc + 16); a2 = _mm512_loadu_ps(acc + 32);
+    a3 = _mm512_loadu_ps(acc + 48);
+  }
+  for (int64_t e = e0; e < e1; ++e) {
+    const float* y = buf + int64_t(tok[e]) * 64;
+    const __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16), y2 = _mm512_loadu_ps(y + 32),
+                 y3 = _mm512_loadu_ps(y + 48);
+    if (kTables) {
+      const __m512 s = _mm512_set1_ps(sc[e]);
+      a0 = _mm512_fmadd_ps(s, y0, a0); a1 = _mm512_fmadd_ps(s, y1, a1);
+      a2 = _mm512_fmadd_ps(s, y2, a2); a3 = _mm512_fmadd_ps(s, y3, a3);
+    }
+    if (kScores) {
+      const __m512 d = _mm512_add_ps(_mm512_fmadd_ps(y1, t1, _mm512_mul_ps(y0, t0)),
+                                     _mm512_fmadd_ps(y3, t3, _mm512_mul_ps(y2, t2)));
+      part[e] += _mm512_reduce_add_ps(d);
+    }
+  }
+  if (kTables) {
+    _mm512_storeu_ps(acc, a0); _mm512_storeu_ps(acc + 16, a1); _mm512_storeu_ps(acc + 32, a2);
+    _mm512_storeu_ps(acc + 48, a3);
+  }
+}
+#endif
+
+// Forward of one column block [c0, c0 + W) for the tokens of one chunk: buf[i, :] = sum over the chunk's lookups
+// (i, k) of scores * tables[row, c0:c0+W]. W is kBlock (vectorised, unrolled) or the ragged last block.
+template <typename T, int64_t W>
+void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typename Acc<T>::type* buf, int64_t n,
+                   int64_t R, int64_t D, int64_t c0, int64_t w) {
   using A = typename Acc<T>::type;
-  const int64_t L = N * K;
-  std::vector<int64_t> start(R + 1, 0);
-  for (int64_t e = 0; e < L; ++e) ++start[rows[e] + 1];
-  for (int64_t r = 0; r < R; ++r) start[r + 1] += start[r];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1), order(L);
-  for (int64_t e = 0; e < L; ++e) order[fill[rows[e]]++] = e;
-  const int64_t* st = start.data();
-  const int64_t* ord = order.data();
-  auto body = [=](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t e0 = st[r], e1 = st[r + 1];
-      T* row = gt + r * D;
-      if (e0 == e1) {  // never retrieved: zero gradient
-        std::memset(static_cast<void*>(row), 0, sizeof(T) * D);
-        continue;
-      }
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        A acc[kCols];
-        if (w == kCols) {
-          for (int64_t j = 0; j < kCols; ++j) acc[j] = 0;
-          for (int64_t i = e0; i < e1; ++i) {
-            if (i + 4 < e1) prefetch_span(gy + (ord[i + 4] / K) * D + c0, kCols);
-            const int64_t e = ord[i];
-            const A* g = gy + (e / K) * D + c0;
-            const A s = scores[e];
+  const int64_t ww = W ? W : w;
+  std::memset(static_cast<void*>(buf), 0, sizeof(A) * n * ww);
+  const int64_t* st = b.start.data();
+  const int32_t* tok = b.token.data();
+  const A* sc = b.score.data();
+  for (int64_t r = 0; r < R; ++r) {
+    if (r + kRowAhead < R && st[r + kRowAhead] != st[r + kRowAhead + 1])
+      prefetch_row(tables + (r + kRowAhead) * D + c0, ww);
+    const int64_t e0 = st[r], e1 = st[r + 1];
+    if (e0 == e1) continue;
+    const T* t = tables + r * D + c0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && W == 64) {
+      scatter_hits_f32x64(t, tok, sc, e0, e1, buf);
+      continue;
+    }
+#endif
+    A tv[W ? W : kBlock];
+    for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
+    for (int64_t e = e0; e < e1; ++e) {
+      A* y = buf + int64_t(tok[e]) * ww;
+      const A s = sc[e];
+      if (W) {
 #pragma omp simd
-            for (int64_t j = 0; j < kCols; ++j) acc[j] += s * g[j];
-          }
-#pragma omp simd
-          for (int64_t j = 0; j < kCols; ++j) row[c0 + j] = static_cast<T>(acc[j]);
-        } else {
-          for (int64_t j = 0; j < w; ++j) acc[j] = 0;
-          for (int64_t i = e0; i < e1; ++i) {
-            const int64_t e = ord[i];
-            const A* g = gy + (e / K) * D + c0;
-            const A s = scores[e];
-            for (int64_t j = 0; j < w; ++j) acc[j] += s * g[j];
-          }
-          for (int64_t j = 0; j < w; ++j) row[c0 + j] = static_cast<T>(acc[j]);
-        }
+        for (int64_t j = 0; j < W; ++j) y[j] += s * tv[j];
+      } else {
+        for (int64_t j = 0; j < w; ++j) y[j] += s * tv[j];
       }
     }
-  };
-  if (threads_for(L * D + R * D) == 1) body(0, R); else at::parallel_for(0, R, 64, body);
+  }
+}
+
+// Store a finished gradient span that nothing will read soon: non-temporal (no read-for-ownership of the line, no
+// eviction of the L2-resident buffer) where the span is float32, 64-byte aligned whole lines.
+template <typename T, typename A> inline void store_span(T* g, const A* v, int64_t w, bool stream) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && std::is_same<A, float>::value) {
+    if (stream && w % 16 == 0 && (reinterpret_cast<uintptr_t>(g) & 63) == 0) {
+      for (int64_t j = 0; j < w; j += 16) _mm512_stream_ps(g + j, _mm512_loadu_ps(v + j));
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < w; ++j) g[j] = static_cast<T>(v[j]);
+}
+
+// Backward of one column block for one chunk, in the same single pass over the table rows:
+//   grad_tables[r, block] (+)= sum over lookups of r of scores * grad_y[token, block]   (each row written by one thread)
+//   part[position] += <grad_y[token, block], tables[r, block]>                       (this block's share of the
+//                                                                                      score gradient)
+// Rows no lookup hit are written as zeros by the first chunk (`first`) and left alone by later ones.
+template <typename T, int64_t W, bool kTables, bool kScores>
+void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
+                    const typename Acc<T>::type* buf, T* grad_tables, typename Acc<T>::type* part, int64_t R, int64_t D,
+                    int64_t c0, int64_t w, bool first) {
+  using A = typename Acc<T>::type;
+  const int64_t ww = W ? W : w;
+  const int64_t* st = b.start.data();
+  const int32_t* tok = b.token.data();
+  const A* sc = b.score.data();
+  A zeros[kBlock] = {};
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t e0 = st[r], e1 = st[r + 1];
+    T* g = kTables ? grad_tables + r * D + c0 : nullptr;
+    if (e0 == e1) {
+      if (kTables && first) store_span(g, zeros, ww, true);
+      continue;
+    }
+    if (kScores && r + kRowAhead < R) prefetch_row(tables + (r + kRowAhead) * D + c0, ww);
+    A tv[W ? W : kBlock], acc[W ? W : kBlock];
+    for (int64_t j = 0; j < ww; ++j) {
+      if (kScores) tv[j] = to_acc(tables[r * D + c0 + j]);
+      if (kTables) acc[j] = first ? A(0) : to_acc(g[j]);
+    }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && W == 64) {
+      backward_hits_f32x64<kTables, kScores>(tables + r * D + c0, tok, sc, e0, e1, buf, acc, part);
+    } else
+#endif
+    {
+      for (int64_t e = e0; e < e1; ++e) {
+        const A* y = buf + int64_t(tok[e]) * ww;
+        const A s = sc[e];
+        A dot = 0;
+        if (W) {
+#pragma omp simd reduction(+ : dot)
+          for (int64_t j = 0; j < W; ++j) {
+            if (kTables) acc[j] += s * y[j];
+            if (kScores) dot += y[j] * tv[j];
+          }
+        } else {
+          for (int64_t j = 0; j < w; ++j) {
+            if (kTables) acc[j] += s * y[j];
+            if (kScores) dot += y[j] * tv[j];
+          }
+        }
+        if (kScores) part[e] += dot;
+      }
+    }
+    if (kTables) store_span(g, acc, ww, first);
+  }
+#if defined(__AVX512F__)
+  _mm_sfence();  // order the streaming stores before the gradient is handed on
+#endif
+}
+
+// Column blocks of width kBlock, the last one ragged; threads take whole blocks.
+inline int64_t num_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
+
+template <typename T>
+void lookup_bucketed(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
+                     typename Acc<T>::type* out, int64_t N, int64_t K, int64_t P, int64_t D) {
+  using A = typename Acc<T>::type;
+  const int64_t R = K * P, nb = num_blocks(D);
+  Buckets<A> b;
+  for (int64_t n0 = 0; n0 < N; n0 += kChunk) {
+    const int64_t n = std::min(kChunk, N - n0);
+    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
+    A* o = out + n0 * D;
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<A> buf(n * kBlock);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
+        if (w == kBlock) scatter_block<T, kBlock>(b, tables, buf.data(), n, R, D, c0, w);
+        else scatter_block<T, 0>(b, tables, buf.data(), n, R, D, c0, w);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < w; ++j) o[i * D + c0 + j] = buf[i * w + j] + (bias ? to_acc(bias[c0 + j]) : A(0));
+      }
+    });
+  }
+}
+
+template <typename T, bool kTables, bool kScores>
+void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* rows,
+                              const typename Acc<T>::type* scores, const T* tables, T* grad_tables,
+                              typename Acc<T>::type* grad_scores, int64_t N, int64_t K, int64_t P, int64_t D) {
+  using A = typename Acc<T>::type;
+  const int64_t R = K * P, nb = num_blocks(D);
+  const int threads = std::max(1, at::get_num_threads());
+  Buckets<A> b;
+  std::vector<A> parts;
+  for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += kChunk) {
+    const int64_t n = std::min(kChunk, N - n0);
+    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
+    const A* g = gy + n0 * D;
+    const int64_t L = n * K;
+    if (kScores) parts.assign(size_t(threads) * L, A(0));
+    A* pp = parts.data();
+    const bool first = n0 == 0;
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<A> buf(n * kBlock);
+      A* part = kScores ? pp + int64_t(at::get_thread_num()) * L : nullptr;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
+        for (int64_t i = 0; i < n; ++i) std::memcpy(buf.data() + i * w, g + i * D + c0, sizeof(A) * w);
+        if (w == kBlock)
+          backward_block<T, kBlock, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
+        else
+          backward_block<T, 0, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
+      }
+    });
+    if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup
+      A* gs = grad_scores + n0 * K;
+      const int64_t* lk = b.lookup.data();
+      parallel_tokens(L, L * threads, [=](int64_t e0, int64_t e1) {
+        for (int64_t e = e0; e < e1; ++e) {
+          A v = 0;
+          for (int t = 0; t < threads; ++t) v += pp[int64_t(t) * L + e];
+          gs[lk[e]] = v;
+        }
+      });
+    }
+    if (N == 0) break;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ gradient memory
+// A table gradient is as large as the tables (tens of MB per layer) and freshly allocated by every backward; the
+// first-touch page faults on that memory cost more than the kernel that fills it. Gradients are therefore taken from
+// a pool of 2 MB-aligned blocks advised for transparent huge pages: a block returns to the pool when its tensor is
+// freed (optimizer.zero_grad(set_to_none=True)), and the next backward reuses it with its pages already mapped.
+// The tensor is an ordinary one to its users (autograd steals it into .grad as usual). `release_gradient_pool`
+// frees the idle blocks; MEMORYFORMER_GRAD_POOL_MB caps the pool (default 16384, 0 disables it).
+struct PoolBlock { size_t bytes; void* ptr; bool used; };
+std::mutex pool_mutex;
+std::vector<PoolBlock> pool_blocks;
+
+size_t pool_cap_bytes() {
+  static const size_t cap = [] {
+    const char* v = std::getenv("MEMORYFORMER_GRAD_POOL_MB");
+    return size_t(v ? std::max(0LL, std::atoll(v)) : 16384LL) << 20;
+  }();
+  return cap;
+}
+
+void return_to_pool(void* ptr) {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  for (auto& blk : pool_blocks)
+    if (blk.ptr == ptr) { blk.used = false; return; }
+}
+
+at::Tensor pooled_empty_like(const at::Tensor& t) {
+  const size_t huge = size_t(2) << 20;
+  const size_t bytes = (t.nbytes() + huge - 1) / huge * huge;
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    size_t held = 0;
+    for (auto& blk : pool_blocks) {
+      held += blk.bytes;
+      if (!ptr && !blk.used && blk.bytes == bytes) { blk.used = true; ptr = blk.ptr; }
+    }
+    if (!ptr && held + bytes <= pool_cap_bytes() && bytes > 0) {
+      ptr = std::aligned_alloc(huge, bytes);
+      if (ptr) {
+        advise_huge_pages(ptr, bytes);
+        pool_blocks.push_back({bytes, ptr, true});
+      }
+    }
+  }
+  if (!ptr) {  // pool full or disabled: an ordinary allocation
+    auto out = at::empty_like(t);
+    advise_huge_pages(out.data_ptr(), out.nbytes());
+    return out;
+  }
+  return at::from_blob(ptr, t.sizes(), return_to_pool, t.options());
+}
+
+int64_t release_gradient_pool() {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  int64_t freed = 0;
+  std::vector<PoolBlock> kept;
+  for (auto& blk : pool_blocks) {
+    if (blk.used) { kept.push_back(blk); continue; }
+    std::free(blk.ptr);
+    freed += int64_t(blk.bytes);
+  }
+  pool_blocks.swap(kept);
+  return freed;
 }
 
 // ------------------------------------------------------------------------------------------------ ops
@@ -336,21 +611,47 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
   return gx;
 }
 
-at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
-                     const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+void check_lookup_args(const at::Tensor& rows, const at::Tensor& tables, int64_t rows_per_table) {
   check_cpu_contiguous(rows, "rows");
   check_cpu_contiguous(tables, "tables");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.lookup: rows must be int64 [N, K]");
   TORCH_CHECK(tables.dim() == 2, "memoryformer_cpu.lookup: tables must be [R, D]");
+  TORCH_CHECK(rows.size(1) * rows_per_table == tables.size(0), "memoryformer_cpu.lookup: tables do not match rows");
+}
+
+// The bucketed forward on its own (the `lookup` op picks it for large tables and many tokens; tests call it directly).
+at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                              const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+  check_lookup_args(rows, tables, rows_per_table);
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
-  TORCH_CHECK(K * rows_per_table == tables.size(0), "memoryformer_cpu.lookup: tables do not match rows");
+  const auto acc = acc_type(tables.scalar_type());
+  auto s = scores.to(acc).contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
+  auto out = at::empty({N, D}, tables.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bucketed", [&] {
+    using A = typename Acc<scalar_t>::type;
+    lookup_bucketed<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
+                              b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<A>(), N, K, rows_per_table, D);
+  });
+  return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
+}
+
+at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                     const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+  check_lookup_args(rows, tables, rows_per_table);
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  // Many tokens over tables beyond the cache: stream the tables once, bucketed by row (see lookup_bucketed).
+  if (int64_t(tables.nbytes()) >= kBucketedBytes && N >= kBucketedHits * rows_per_table)
+    return lookup_bucketed_op(rows, scores, tables, bias, rows_per_table);
   const auto acc = acc_type(tables.scalar_type());
   auto s = scores.to(acc).contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
   if (N > kSmallBatch && tables.scalar_type() != at::kDouble) {
-    // Many tokens: PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel) is the
-    // fastest row gather-accumulate we have measured on CPU; it runs here below autograd, without its backward.
+    // Many tokens, tables within the cache: PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
+    // EmbeddingSpMDM kernel) is the fastest row gather-accumulate we have measured on CPU; it runs here below
+    // autograd, without its backward.
     auto offsets = at::arange(0, N * K, K, rows.options());
     auto bag = std::get<0>(at::embedding_bag(tables, rows.reshape({-1}), offsets, /*scale_grad_by_freq=*/false,
                                              /*mode=sum*/ 0, /*sparse=*/false, s.to(tables.scalar_type()).reshape({-1})));
@@ -377,18 +678,21 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out
   auto s = scores.to(acc).contiguous();
   at::Tensor gscores, gtables;
   if (need_scores) gscores = at::empty({N, K}, tables.options().dtype(acc));
-  if (need_tables) {
-    gtables = at::empty_like(tables);
-    advise_huge_pages(gtables.data_ptr(), gtables.nbytes());
-  }
+  if (need_tables) gtables = pooled_empty_like(tables);
+  const int64_t P = rows_per_table;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bwd", [&] {
     using A = typename Acc<scalar_t>::type;
-    if (need_scores)
-      grad_scores_kernel<scalar_t>(gy.data_ptr<A>(), rows.data_ptr<int64_t>(), tables.data_ptr<scalar_t>(),
-                                   gscores.data_ptr<A>(), N, K, D);
-    if (need_tables)
-      grad_tables_kernel<scalar_t>(gy.data_ptr<A>(), rows.data_ptr<int64_t>(), s.data_ptr<A>(),
-                                   gtables.data_ptr<scalar_t>(), N, K, R, D);
+    const A* g = gy.data_ptr<A>();
+    const int64_t* r = rows.data_ptr<int64_t>();
+    const A* sc = s.data_ptr<A>();
+    const scalar_t* t = tables.data_ptr<scalar_t>();
+    if (need_tables && need_scores)
+      lookup_backward_bucketed<scalar_t, true, true>(g, r, sc, t, gtables.data_ptr<scalar_t>(), gscores.data_ptr<A>(),
+                                                     N, K, P, D);
+    else if (need_tables)
+      lookup_backward_bucketed<scalar_t, true, false>(g, r, sc, t, gtables.data_ptr<scalar_t>(), nullptr, N, K, P, D);
+    else if (need_scores)
+      lookup_backward_bucketed<scalar_t, false, true>(g, r, sc, t, nullptr, gscores.data_ptr<A>(), N, K, P, D);
   });
   return {gscores, gtables};
 }
@@ -401,12 +705,15 @@ TORCH_LIBRARY(memoryformer_cpu, m) {
   m.def("lookup(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
   m.def("lookup_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
         "bool need_tables, bool need_scores) -> (Tensor, Tensor)");
+  m.def("lookup_bucketed(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
+  m.def("release_gradient_pool() -> int", &release_gradient_pool);
 }
 
 TORCH_LIBRARY_IMPL(memoryformer_cpu, CPU, m) {
   m.impl("hash", &hash_op);
   m.impl("hash_backward", &hash_backward_op);
   m.impl("lookup", &lookup_op);
+  m.impl("lookup_bucketed", &lookup_bucketed_op);
   m.impl("lookup_backward", &lookup_backward_op);
 }
 """

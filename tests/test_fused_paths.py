@@ -1,0 +1,163 @@
+"""The fused CPU kernel's internal strategies, each against an independent float64 oracle.
+
+The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, and the bucketed pass that
+streams the tables once, for tables beyond the cache with many tokens); the backward always takes the bucketed pass,
+in chunks of 2048 tokens and column blocks of 64. Tiny layers never reach most of these branches, so this file drives
+each one directly on shapes around its edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one, two and three chunks),
+widths below, at and between multiples of 64 (ragged last block), and every table dtype.
+
+Oracle: the dense one-hot formulation in float64, y = S @ T with S[n, row] = score (an [N, R] matrix built by
+scatter), so grad_T = S^T @ grad_y and grad_S = grad_y @ T^T, computed by torch.mm, not by any gather.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling_memoryformer import memory_ops
+
+
+pytestmark = pytest.mark.skipif(
+    "fused" not in memory_ops.available_kernels(), reason="the fused CPU kernel is not built in this environment"
+)
+
+
+def ops():
+    return torch.ops.memoryformer_cpu
+
+
+def hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    per_table = 2**hash_bits
+    codes = torch.randint(0, per_table, (n, num_tables), generator=g)
+    rows = codes + torch.arange(num_tables) * per_table
+    scores = torch.rand(n, num_tables, generator=g) + 0.1
+    tables = torch.randn(num_tables * per_table, out_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    return rows.contiguous(), scores.contiguous(), tables.contiguous(), bias
+
+
+def one_hot_scores(rows, scores, num_rows):
+    """S [N, R] in float64 with S[n, rows[n, k]] = scores[n, k]."""
+    s = torch.zeros(rows.shape[0], num_rows, dtype=torch.float64)
+    return s.scatter_add_(1, rows, scores.double())
+
+
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def assert_close_scaled(actual, expected, scale, dtype):
+    """|actual - expected| <= tol * scale elementwise, scale = the same sum over absolute values."""
+    assert actual.shape == expected.shape
+    if actual.numel() == 0:
+        return
+    err = (actual.double() - expected).abs()
+    bound = TOLERANCE[dtype] * (scale + 1e-30)
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"max error {err.max().item():.3g} exceeds {TOLERANCE[dtype]} x scale (ratio {worst:.2f})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "n, num_tables, hash_bits, out_features",
+    [(1, 3, 4, 5), (37, 4, 4, 64), (2047, 2, 6, 65), (2048, 3, 4, 128), (2049, 2, 5, 130), (4100, 2, 3, 200)],
+)
+def test_bucketed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, dtype):
+    rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype)
+    y = ops().lookup_bucketed(rows, scores, tables, bias, 2**hash_bits)
+    assert y.dtype == dtype and y.shape == (n, out_features)
+    s = one_hot_scores(rows, scores, tables.shape[0])
+    expected = s @ tables.double() + bias.double()
+    scale = s.abs() @ tables.double().abs() + bias.double().abs()
+    assert_close_scaled(y, expected, scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 300, 2049, 4100])
+def test_lookup_op_matches_the_bucketed_op_at_every_size(n, dtype):
+    """Whatever strategy `lookup` picks for a size, it computes the same function as the bucketed pass."""
+    rows, scores, tables, bias = hashed_inputs(n, 4, 4, 96, dtype, seed=n)
+    picked = ops().lookup(rows, scores, tables, bias, 16)
+    bucketed = ops().lookup_bucketed(rows, scores, tables, bias, 16)
+    s = one_hot_scores(rows, scores, tables.shape[0])
+    scale = s.abs() @ tables.double().abs() + bias.double().abs()
+    assert_close_scaled(picked, bucketed.double(), scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "n, num_tables, hash_bits, out_features",
+    [(0, 2, 3, 8), (1, 3, 4, 5), (2047, 2, 6, 65), (2048, 3, 4, 128), (2049, 2, 5, 130), (4100, 2, 3, 200)],
+)
+def test_bucketed_backward_equals_one_hot_transposes(n, num_tables, hash_bits, out_features, dtype):
+    rows, scores, tables, _ = hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=1)
+    g = torch.Generator().manual_seed(7)
+    grad_y = torch.randn(n, out_features, generator=g).to(dtype)
+    grad_scores, grad_tables = ops().lookup_backward(grad_y, rows, scores, tables, 2**hash_bits, True, True)
+    assert grad_tables.dtype == dtype and grad_tables.shape == tables.shape
+    s = one_hot_scores(rows, scores, tables.shape[0])
+    gy = grad_y.double()
+    assert_close_scaled(grad_tables, s.T @ gy, s.abs().T @ gy.abs(), dtype)
+    # grad_scores[n, k] = <grad_y[n], T[rows[n, k]]>
+    full = gy @ tables.double().T  # [N, R]
+    expected_scores = full.gather(1, rows)
+    scale_scores = (gy.abs() @ tables.double().abs().T).gather(1, rows)
+    assert_close_scaled(grad_scores, expected_scores, scale_scores, dtype)
+    hit = torch.zeros(tables.shape[0], dtype=torch.bool)
+    hit[rows.reshape(-1)] = True
+    assert torch.all(grad_tables[~hit] == 0), "rows no token retrieved must have an exactly zero gradient"
+
+    only_tables = ops().lookup_backward(grad_y, rows, scores, tables, 2**hash_bits, True, False)[1]
+    only_scores = ops().lookup_backward(grad_y, rows, scores, tables, 2**hash_bits, False, True)[0]
+    assert torch.equal(only_tables, grad_tables)
+    assert torch.equal(only_scores, grad_scores)
+
+
+def test_gradient_memory_is_reused_once_freed_and_never_while_held():
+    """A table gradient comes from a pool: a block is handed out again only after its tensor is freed, and a reused
+    block is fully overwritten (rows nobody retrieved are zero, not the previous gradient)."""
+    rows_a, scores_a, tables, _ = hashed_inputs(3000, 2, 6, 96, torch.float32, seed=2)
+    rows_b, scores_b, _, _ = hashed_inputs(3, 2, 6, 96, torch.float32, seed=3)  # 6 lookups: most rows unhit
+    grad_a = ops().lookup_backward(torch.ones(3000, 96), rows_a, scores_a, tables, 64, True, False)[1]
+    kept = grad_a.clone()
+    grad_b = ops().lookup_backward(torch.ones(3, 96), rows_b, scores_b, tables, 64, True, False)[1]
+    assert grad_b.data_ptr() != grad_a.data_ptr()
+    assert torch.equal(grad_a, kept), "a held gradient must not be overwritten by the next backward"
+
+    pointer = grad_a.data_ptr()
+    del grad_a
+    grad_c = ops().lookup_backward(torch.ones(3, 96), rows_b, scores_b, tables, 64, True, False)[1]
+    assert grad_c.data_ptr() == pointer, "the freed block is reused"
+    assert torch.equal(grad_c, grad_b), "a reused block holds exactly the new gradient"
+    assert int((grad_c != 0).any(1).sum()) <= 6
+
+    view = grad_c[:5]  # a view keeps the block alive after the tensor itself is dropped
+    del grad_b, grad_c
+    grad_d = ops().lookup_backward(torch.ones(3000, 96), rows_a, scores_a, tables, 64, True, False)[1]
+    assert view.data_ptr() != grad_d.data_ptr()
+    assert torch.equal(grad_d, kept)
+    del view, grad_d
+    assert ops().release_gradient_pool() >= tables.nbytes
+
+
+def test_training_with_pooled_gradients_matches_the_torch_path():
+    """Several optimizer steps with zero_grad(set_to_none=True) (blocks recycled every step) give the same weights
+    as the plain PyTorch path."""
+    from modeling_memoryformer import MemoryLayer
+
+    results = {}
+    for kernel in ("fused", "torch"):
+        torch.manual_seed(0)
+        layer = MemoryLayer(64, 80, hash_bits=4)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(5)
+        with memory_ops.use_kernel(kernel):
+            for _ in range(4):
+                x = torch.randn(2100, 64, generator=g)
+                loss = layer(x).square().mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        results[kernel] = layer.tables.detach().clone()
+    torch.testing.assert_close(results["fused"], results["torch"], rtol=1e-5, atol=1e-6)

@@ -10,18 +10,26 @@ Operators (namespace `memoryformer_cpu`), all on contiguous CPU tensors:
       product of at most 16 factors cannot overflow and no logarithm is needed.
 - lookup(rows, scores, tables[R, D], bias?) -> y[N, D] = sum_k scores[:, k] * tables[rows[:, k]] + bias,
       accumulated in float32 (float64 for float64 tables), returned in the tables' dtype.
+- lookup_bucketed(...): the same function by the bucketed strategy below (lookup picks it by size; tests call it).
 - lookup_backward(grad_y, rows, scores, tables, need_tables, need_scores) -> (grad_scores, grad_tables)
       grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>; grad_tables[r] = sum_{(n,k): rows[n,k]=r} scores * grad_y[n]
 - hash_backward(grad_scores, x, tau, l1, t) -> grad_x through the score derivative (codes are piecewise constant).
+- release_gradient_pool() -> bytes freed (see "Gradient memory").
 
 Design (measured on a 2-core AMD EPYC, see benchmarks/): the row gather is bounded by cache/TLB misses on tables
-far larger than L2, not by FLOPs. Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans
-in registers while prefetching the rows 16 lookups ahead; beyond that, PyTorch's embedding_bag (FBGEMM's JIT
-kernel), which measured fastest, called below autograd. Column-blocked table layouts that keep one block of all
-tables in L2 were tried and measured 2-3x slower here (per-lookup overhead on 128-byte spans dominates).
-Backward: score gradients as indexed inner products (token-parallel); table gradients by grouping lookups by row
-with a counting sort, so every gradient row is written once by one thread (no atomics, no read-modify-write), into
-memory advised for transparent huge pages (first-touch page faults otherwise cost more than the kernel).
+far larger than L2, not by FLOPs.
+Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching
+the rows 16 lookups ahead. Beyond that, for tables that fit in L3, PyTorch's embedding_bag (FBGEMM's JIT kernel),
+which measured fastest there, called below autograd. For tables beyond L3 (>= 48 MB) with >= 4 lookups per row,
+the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column blocks
+of up to 2048 tokens held in a compact L2-resident buffer, and the table is streamed once, each hit row loaded once
+and applied to all its tokens (the table is read once per call instead of N / 2**tau times, from DRAM).
+Backward: always bucketed, in one pass over the table rows per column block: the block of grad_y sits in L2, each
+row's table gradient is accumulated in registers and written once by one thread (no atomics, no read-modify-write
+of the large gradient; rows nobody hit are written as zeros), and the score gradients are the inner products of the
+same row with the same grad_y spans, summed over the column blocks.
+Gradient memory: table gradients come from a pool of huge-page-advised blocks that are reused once their tensor is
+freed, because first-touch page faults on a fresh tens-of-MB gradient cost more than the kernel that fills it.
 """
 
 CPP_SOURCE = r"""

@@ -71,6 +71,19 @@ def use_kernel(name: str):
         _kernel_choice = previous
 
 
+def release_gradient_memory() -> int:
+    """Free the idle blocks of the fused kernel's table-gradient pool; return the bytes freed (0 without the kernel).
+
+    Table gradients are as large as the tables, so the fused backward hands them out from a pool of huge-page
+    blocks that are reused once their tensor is freed (e.g. by `optimizer.zero_grad(set_to_none=True)`): fresh
+    memory would cost more in page faults than the kernel that fills it. Blocks stay with the process after training;
+    call this to give them back. `MEMORYFORMER_GRAD_POOL_MB` caps the pool (default 16384; 0 turns it off).
+    """
+    if _fused_state is not True:
+        return 0
+    return int(torch.ops.memoryformer_cpu.release_gradient_pool())
+
+
 def num_tables_for(in_features: int, hash_bits: int) -> int:
     """K = d_in / tau; raise a ValueError naming the fix when tau does not divide d_in."""
     if hash_bits < 1:

@@ -161,3 +161,14 @@ def test_training_with_pooled_gradients_matches_the_torch_path():
                 opt.step()
         results[kernel] = layer.tables.detach().clone()
     torch.testing.assert_close(results["fused"], results["torch"], rtol=1e-5, atol=1e-6)
+
+
+def test_release_gradient_memory_returns_idle_blocks():
+    rows, scores, tables, _ = hashed_inputs(50, 2, 6, 96, torch.float32, seed=4)
+    grad = ops().lookup_backward(torch.ones(50, 96), rows, scores, tables, 64, True, False)[1]
+    expected = grad.clone()
+    memory_ops.release_gradient_memory()  # frees whatever is idle; the block of `grad` is in use and stays
+    assert torch.equal(grad, expected)
+    del grad
+    assert memory_ops.release_gradient_memory() >= tables.nbytes  # now it is idle and freed
+    assert memory_ops.release_gradient_memory() == 0

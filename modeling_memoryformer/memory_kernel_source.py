@@ -271,7 +271,12 @@ void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, 
     std::vector<int64_t> fill(P);
     for (int64_t k = k0; k < k1; ++k) {
       std::fill(fill.begin(), fill.end(), 0);
-      for (int64_t i = 0; i < n; ++i) ++fill[rows[i * K + k] - k * P];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t c = rows[i * K + k] - k * P;
+        TORCH_CHECK(c >= 0 && c < P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k, " (rows ", k * P,
+                    " .. ", k * P + P - 1, "), got ", rows[i * K + k]);
+        ++fill[c];
+      }
       int64_t pos = k * n;
       for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
       for (int64_t i = 0; i < n; ++i) {
@@ -390,9 +395,8 @@ template <typename T, typename A> inline void store_span(T* g, const A* v, int64
 }
 
 // Backward of one column block for one chunk, in the same single pass over the table rows:
-//   grad_tables[r, block] (+)= sum over lookups of r of scores * grad_y[token, block]   (each row written by one thread)
-//   part[position] += <grad_y[token, block], tables[r, block]>                       (this block's share of the
-//                                                                                      score gradient)
+//   grad_tables[r, block] (+)= sum over lookups of r of scores * grad_y[token, block]  (written once, by one thread)
+//   part[position] += <grad_y[token, block], tables[r, block]>  (this block's share of the score gradient)
 // Rows no lookup hit are written as zeros by the first chunk (`first`) and left alone by later ones.
 template <typename T, int64_t W, bool kTables, bool kScores>
 void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
@@ -619,18 +623,21 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
   return gx;
 }
 
-void check_lookup_args(const at::Tensor& rows, const at::Tensor& tables, int64_t rows_per_table) {
+void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                       int64_t rows_per_table) {
   check_cpu_contiguous(rows, "rows");
   check_cpu_contiguous(tables, "tables");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.lookup: rows must be int64 [N, K]");
   TORCH_CHECK(tables.dim() == 2, "memoryformer_cpu.lookup: tables must be [R, D]");
   TORCH_CHECK(rows.size(1) * rows_per_table == tables.size(0), "memoryformer_cpu.lookup: tables do not match rows");
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == rows.size(1),
+              "memoryformer_cpu.lookup: scores must have the shape of rows [N, K]");
 }
 
 // The bucketed forward on its own (the `lookup` op picks it for large tables and many tokens; tests call it directly).
 at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
                               const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
-  check_lookup_args(rows, tables, rows_per_table);
+  check_lookup_args(rows, scores, tables, rows_per_table);
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
   const auto acc = acc_type(tables.scalar_type());
   auto s = scores.to(acc).contiguous();
@@ -640,14 +647,15 @@ at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bucketed", [&] {
     using A = typename Acc<scalar_t>::type;
     lookup_bucketed<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
-                              b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<A>(), N, K, rows_per_table, D);
+                              b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<A>(), N, K,
+                              rows_per_table, D);
   });
   return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
 }
 
 at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
                      const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
-  check_lookup_args(rows, tables, rows_per_table);
+  check_lookup_args(rows, scores, tables, rows_per_table);
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
   // Many tokens over tables beyond the cache: stream the tables once, bucketed by row (see lookup_bucketed).
   if (int64_t(tables.nbytes()) >= kBucketedBytes && N >= kBucketedHits * rows_per_table)
@@ -665,6 +673,10 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
                                              /*mode=sum*/ 0, /*sparse=*/false, s.to(tables.scalar_type()).reshape({-1})));
     return b.defined() ? bag.add_(b) : bag;
   }
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t e = 0; e < N * K; ++e)
+    TORCH_CHECK(rp[e] - (e % K) * rows_per_table >= 0 && rp[e] - (e % K) * rows_per_table < rows_per_table,
+                "memoryformer_cpu: rows[:, ", e % K, "] must index table ", e % K, ", got ", rp[e]);
   auto out = at::empty({N, D}, tables.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
     using A = typename Acc<scalar_t>::type;
@@ -677,10 +689,10 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
 std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out, const at::Tensor& rows,
                                                       const at::Tensor& scores, const at::Tensor& tables,
                                                       int64_t rows_per_table, bool need_tables, bool need_scores) {
-  check_cpu_contiguous(rows, "rows");
-  check_cpu_contiguous(tables, "tables");
-  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1), R = tables.size(0);
-  TORCH_CHECK(K * rows_per_table == R, "memoryformer_cpu.lookup_backward: tables do not match rows");
+  check_lookup_args(rows, scores, tables, rows_per_table);
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
+              "memoryformer_cpu.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "]");
   const auto acc = acc_type(tables.scalar_type());
   auto gy = grad_out.to(acc).contiguous();
   auto s = scores.to(acc).contiguous();

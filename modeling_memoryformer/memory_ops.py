@@ -179,11 +179,20 @@ def memory_lookup_hashed(
     Lets several tables share one hash of the same input (see `MemoryLayer.hash`).
     """
     if not torch.compiler.is_compiling() and rows.numel():
-        low, high = int(rows.min()), int(rows.max())
-        if low < 0 or high >= tables.shape[0]:
+        num_tables = rows.shape[-1]
+        if tables.shape[0] % num_tables:
             raise ValueError(
-                f"rows must index the {tables.shape[0]} table rows; got values in [{low}, {high}]. Pass the rows "
-                "returned by MemoryLayer.hash() of a layer with the same in_features and hash_bits."
+                f"rows has {num_tables} columns (one per table) but the {tables.shape[0]} table rows do not split into "
+                f"{num_tables} tables. Pass the rows returned by MemoryLayer.hash() of a layer with the same "
+                "in_features and hash_bits."
+            )
+        per_table = tables.shape[0] // num_tables
+        codes = rows - torch.arange(num_tables, device=rows.device) * per_table  # column k must hit table k
+        if bool((codes < 0).any()) or bool((codes >= per_table).any()):
+            raise ValueError(
+                f"rows[..., k] must index table k (rows k * {per_table} .. k * {per_table} + {per_table - 1}); got "
+                f"values in [{int(rows.min())}, {int(rows.max())}]. Pass the rows returned by MemoryLayer.hash() of a "
+                "layer with the same in_features and hash_bits."
             )
     return _gather_accumulate(rows, scores, tables, bias)
 

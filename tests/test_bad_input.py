@@ -9,8 +9,37 @@ from modeling_memoryformer import MemoryLayer
 def test_hashed_rows_outside_the_tables_are_rejected():
     layer = MemoryLayer(16, 8, 4)  # 4 tables of 16 rows = 64 rows
     rows, scores = layer.hash(torch.randn(3, 16))
-    with pytest.raises(ValueError, match="rows must index the 64 table rows"):
+    with pytest.raises(ValueError, match=r"rows\[\.\.\., k\] must index table k"):
         layer(hashed=(rows + 64, scores))
+
+
+def test_hashed_rows_of_the_wrong_table_are_rejected():
+    """A row inside the parameter but in another column's table (e.g. columns swapped) is an error, not a lookup."""
+    layer = MemoryLayer(16, 8, 4)
+    rows, scores = layer.hash(torch.randn(3, 16))
+    with pytest.raises(ValueError, match=r"must index table k \(rows k \* 16"):
+        layer(hashed=(rows.flip(-1), scores))
+
+
+def test_fused_ops_reject_rows_of_the_wrong_table_instead_of_reading_out_of_bounds():
+    from modeling_memoryformer import memory_ops
+
+    if "fused" not in memory_ops.available_kernels():
+        pytest.skip("the fused CPU kernel is not built in this environment")
+    ops = torch.ops.memoryformer_cpu
+    tables = torch.randn(4 * 16, 8)
+    rows = torch.tensor([[0, 16, 32, 48], [15, 31, 47, 63]])
+    bad = rows.clone()
+    bad[1, 2] = 70  # beyond the parameter
+    scores = torch.ones(2, 4)
+    for op in (
+        lambda r: ops.lookup(r, scores, tables, None, 16),
+        lambda r: ops.lookup_bucketed(r, scores, tables, None, 16),
+        lambda r: ops.lookup_backward(torch.ones(2, 8), r, scores, tables, 16, True, True),
+    ):
+        op(rows)  # valid rows work
+        with pytest.raises(RuntimeError, match="must index table 2"):
+            op(bad)
 
 
 def test_input_of_the_wrong_width_is_rejected():

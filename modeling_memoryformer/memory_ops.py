@@ -268,6 +268,7 @@ def load_fused_kernels() -> bool:
     """Build (first time) and load the fused CPU kernels; return whether they are usable. Warns once on failure."""
     global _fused_state
     if _fused_state is None:
+        _check_pool_setting()
         try:
             _build_and_register()
             _fused_state = True
@@ -280,6 +281,16 @@ def load_fused_kernels() -> bool:
                 stacklevel=3,
             )
     return _fused_state
+
+
+def _check_pool_setting() -> None:
+    """MEMORYFORMER_GRAD_POOL_MB is read by the C++ kernel, which cannot report a typo: check it here."""
+    value = os.environ.get("MEMORYFORMER_GRAD_POOL_MB")
+    if value is not None and not value.strip().isdigit():
+        raise ValueError(
+            f"MEMORYFORMER_GRAD_POOL_MB={value!r} is not a whole number of megabytes; set it to e.g. 16384 (the "
+            "default), or 0 to turn the table-gradient pool off."
+        )
 
 
 def _build_and_register() -> None:

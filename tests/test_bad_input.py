@@ -46,3 +46,13 @@ def test_input_of_the_wrong_width_is_rejected():
     layer = MemoryLayer(16, 8, 4)
     with pytest.raises(ValueError, match="in_features=16"):
         layer(torch.randn(3, 12))
+
+
+def test_a_malformed_gradient_pool_setting_is_an_error(monkeypatch):
+    from modeling_memoryformer import memory_ops
+
+    monkeypatch.setenv("MEMORYFORMER_GRAD_POOL_MB", "16GB")
+    with pytest.raises(ValueError, match="MEMORYFORMER_GRAD_POOL_MB='16GB' is not a whole number"):
+        memory_ops._check_pool_setting()
+    monkeypatch.setenv("MEMORYFORMER_GRAD_POOL_MB", "0")
+    memory_ops._check_pool_setting()

@@ -38,7 +38,7 @@ from .convert_mapping import (
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
-from .data import TOKENIZER_FILES, text_blocks
+from .data import load_tokenizer, text_blocks
 
 
 INITS = ("data-free", "calibrated")
@@ -190,23 +190,20 @@ def convert_pythia(settings: ConvertSettings) -> dict:
 
 
 def _load_teacher(settings: ConvertSettings):
-    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
 
     try:
         teacher = GPTNeoXForCausalLM.from_pretrained(settings.source, dtype=torch.float32).eval()
     except (OSError, ValueError) as error:
         raise ConversionError(f"Could not load the weights of --from {settings.source!r}: {error}") from error
     location = settings.tokenizer or settings.source
-    tokenizer, error = None, "it has no tokenizer files"
-    if not os.path.isdir(location) or any(os.path.isfile(os.path.join(location, n)) for n in TOKENIZER_FILES):
-        try:  # transformers builds an empty tokenizer from a folder without tokenizer files: look for them first
-            tokenizer = AutoTokenizer.from_pretrained(location)
-        except (OSError, ValueError, TypeError) as exception:
-            error = str(exception)
-    if tokenizer is None and (settings.tokenizer or settings.calib_text):
-        raise ConversionError(
-            f"Could not load a tokenizer from {location!r} ({error}); the text options need one. Pass --tokenizer PATH."
-        )
+    try:  # optional: only the text options (--tokenizer, --calib-text) need one
+        tokenizer = load_tokenizer(location, hint="The text options need one: pass --tokenizer PATH.",
+                                   pad_with_eos=False)
+    except (ValueError, FileNotFoundError) as error:
+        if settings.tokenizer or settings.calib_text:
+            raise ConversionError(str(error)) from error
+        tokenizer = None
     return teacher, tokenizer
 
 

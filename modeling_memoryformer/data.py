@@ -221,8 +221,19 @@ def _check_vocab_size(vocab_size: int) -> None:
         )
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """`AutoTokenizer.from_pretrained` of a local folder or a Hub id; pad = eos when the tokenizer has no pad."""
+TRAIN_TOKENIZER_HINT = "Pass a tokenizer folder or a Hub id, or leave --tokenizer out to train a BPE on the data."
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike, *, hint: str = TRAIN_TOKENIZER_HINT, pad_with_eos: bool = True
+) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained` of a local folder or a Hub id, with errors that name the problem.
+
+    A folder without tokenizer files is a ValueError (transformers would build an empty tokenizer from it), a path
+    that does not exist a FileNotFoundError, anything transformers cannot load a ValueError; each message ends with
+    `hint`, the fix in the caller's terms (train, eval and convert each pass their own). `pad_with_eos` sets
+    pad = eos when the tokenizer has no pad token (batching needs one; the evaluation harness sets its own).
+    """
     from transformers import AutoTokenizer
 
     name_or_path = os.fspath(name_or_path)
@@ -230,21 +241,15 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         os.path.isfile(os.path.join(name_or_path, name)) for name in TOKENIZER_FILES
     ):  # transformers would build an empty tokenizer from such a folder
         raise ValueError(
-            f"tokenizer folder {name_or_path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}). Pass a folder "
-            "written by tokenizer.save_pretrained or a Hub id, or leave --tokenizer out to train a BPE on the data."
+            f"tokenizer folder {name_or_path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}). {hint}"
         )
     if not os.path.exists(name_or_path) and _looks_like_path(name_or_path):
-        raise FileNotFoundError(
-            f"tokenizer {name_or_path!r} does not exist. Pass a tokenizer folder or a Hub id (e.g. "
-            "EleutherAI/pythia-70m), or leave --tokenizer out to train a BPE on the data."
-        )
+        raise FileNotFoundError(f"tokenizer {name_or_path!r} does not exist. {hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, TypeError) as error:
-        raise ValueError(
-            f"could not load a tokenizer from {name_or_path!r} ({error}). Pass a tokenizer folder or a Hub id."
-        ) from error
-    if tokenizer.pad_token is None:
+        raise ValueError(f"could not load a tokenizer from {name_or_path!r} ({error}). {hint}") from error
+    if pad_with_eos and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -242,14 +242,15 @@ def _explain_missing_data(tasks: tuple[str, ...]):
         ) from error
 
 
-def _load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+EVAL_TOKENIZER_HINT = (
+    "Pass the folder or Hub id of the tokenizer the model was trained with (e.g. --tokenizer EleutherAI/pythia-70m)."
+)
 
-    try:
-        return AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"could not load a tokenizer from {name_or_path!r} ({error}); pass the folder or Hub id of "
-                         "the tokenizer the model was trained with (e.g. --tokenizer EleutherAI/pythia-70m)") from error
+
+def _load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    from .data import load_tokenizer
+
+    return load_tokenizer(name_or_path, hint=EVAL_TOKENIZER_HINT, pad_with_eos=False)
 
 
 def _compact_metrics(metrics: dict[str, Any], counts: dict[str, int] | None) -> dict[str, Any]:

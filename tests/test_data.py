@@ -135,6 +135,19 @@ def test_load_tokenizer_rejects_a_missing_path(tmp_path):
         load_tokenizer(missing)
 
 
+def test_every_command_loads_tokenizers_the_same_way_with_its_own_fix(tmp_path):
+    """train (data), eval and convert share one loader: the same checks, each with the fix in its own terms."""
+    from modeling_memoryformer.evaluation import _load_tokenizer as eval_loader
+
+    write(tmp_path / "config.json", "{}")
+    with pytest.raises(ValueError, match="no tokenizer files.*train a BPE on the data"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(ValueError, match="no tokenizer files.*the tokenizer the model was trained with"):
+        eval_loader(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist.*the tokenizer the model was trained with"):
+        eval_loader(str(tmp_path / "missing"))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Tokenizing and packing
 

@@ -290,8 +290,6 @@ void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, 
   st[K * P] = n * K;
 }
 
-template <typename T> inline void prefetch_row(const T* p, int64_t w) { prefetch_span(p, w); }
-
 #if defined(__AVX512F__)
 // float32 blocks of 64 columns with the row and the accumulators held in four zmm registers (the compiler does not
 // keep the generic loops' arrays in registers across the hit loop).
@@ -355,7 +353,7 @@ void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typ
   const A* sc = b.score.data();
   for (int64_t r = 0; r < R; ++r) {
     if (r + kRowAhead < R && st[r + kRowAhead] != st[r + kRowAhead + 1])
-      prefetch_row(tables + (r + kRowAhead) * D + c0, ww);
+      prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
     const int64_t e0 = st[r], e1 = st[r + 1];
     if (e0 == e1) continue;
     const T* t = tables + r * D + c0;
@@ -415,7 +413,7 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
       if (kTables && first) store_span(g, zeros, ww, true);
       continue;
     }
-    if (kScores && r + kRowAhead < R) prefetch_row(tables + (r + kRowAhead) * D + c0, ww);
+    if (kScores && r + kRowAhead < R) prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
     A tv[W ? W : kBlock], acc[W ? W : kBlock];
     for (int64_t j = 0; j < ww; ++j) {
       if (kScores) tv[j] = to_acc(tables[r * D + c0 + j]);

@@ -208,7 +208,7 @@ void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, in
 // random row reads overlap instead of waiting on the cache one after another.
 template <typename T>
 void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
-                   typename Acc<T>::type* out, int64_t N, int64_t K, int64_t D) {
+                   T* out, int64_t N, int64_t K, int64_t D) {
   using A = typename Acc<T>::type;
   parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -230,8 +230,8 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
             for (int64_t j = 0; j < w; ++j) acc[j] += s * to_acc(t[j]);
           }
         }
-        A* o = out + n * D + c0;
-        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
+        T* o = out + n * D + c0;   // accumulated in A, stored in the tables' dtype
+        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
       }
     }
   });
@@ -675,13 +675,13 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
   for (int64_t e = 0; e < N * K; ++e)
     TORCH_CHECK(rp[e] - (e % K) * rows_per_table >= 0 && rp[e] - (e % K) * rows_per_table < rows_per_table,
                 "memoryformer_cpu: rows[:, ", e % K, "] must index table ", e % K, ", got ", rp[e]);
-  auto out = at::empty({N, D}, tables.options().dtype(acc));
+  auto out = at::empty({N, D}, tables.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
     using A = typename Acc<scalar_t>::type;
     lookup_kernel<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
-                            b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<A>(), N, K, D);
+                            b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N, K, D);
   });
-  return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out, const at::Tensor& rows,

@@ -237,15 +237,14 @@ def memory_lookup(
     _check_tables(x, tables, hash_bits)
     if score not in HASH_SCORES:
         raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
-    if _use_fused(tables) and x.device.type == "cpu":  # hashing and scoring in one C++ pass
+    if x.device.type == "cpu" and _use_fused(tables):  # hashing and scoring in one C++ pass, then the lookup
         rows, scores = torch.ops.memoryformer_cpu.hash(
             x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
         )
-        num_tables = x.shape[-1] // hash_bits
-        rows, scores = rows.view(*x.shape[:-1], num_tables), scores.view(*x.shape[:-1], num_tables)
-    else:
-        rows = table_rows(hash_codes(x, hash_bits), hash_bits)
-        scores = hash_scores(x, hash_bits, score, temperature)
+        y = torch.ops.memoryformer_cpu.lookup(rows, scores, tables.contiguous(), bias, 1 << hash_bits)
+        return y.view(*x.shape[:-1], tables.shape[-1])
+    rows = table_rows(hash_codes(x, hash_bits), hash_bits)
+    scores = hash_scores(x, hash_bits, score, temperature)
     return _gather_accumulate(rows, scores, tables, bias)
 
 

@@ -50,7 +50,9 @@ CPP_SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -253,8 +255,15 @@ template <typename A> struct Buckets {
   std::vector<int64_t> start;   // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
   std::vector<int32_t> token;   // [n * K]: token (chunk-relative) of each position
   std::vector<A> score;         // [n * K]: its score
-  std::vector<int64_t> lookup;  // [n * K]: flat lookup index n * K + k of each position (to scatter score gradients)
-};
+};  // position e belongs to table e / n (see bucket_lookups), so its lookup is (token[e], e / n)
+
+// Column k of rows must index table k (rows k*P .. k*P + P - 1): anything else would read or write out of bounds.
+inline int64_t code_of(int64_t row, int64_t k, int64_t P) {
+  const int64_t c = row - k * P;
+  TORCH_CHECK(c >= 0 && c < P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k, " (rows ", k * P, " .. ",
+              k * P + P - 1, "), got ", row);
+  return c;
+}
 
 // Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
 template <typename A>
@@ -262,28 +271,20 @@ void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, 
   b.start.resize(K * P + 1);
   b.token.resize(n * K);
   b.score.resize(n * K);
-  b.lookup.resize(n * K);
   int64_t* st = b.start.data();
   int32_t* tok = b.token.data();
   A* sc = b.score.data();
-  int64_t* lk = b.lookup.data();
   parallel_tokens(K, n * K * 8, [=](int64_t k0, int64_t k1) {
     std::vector<int64_t> fill(P);
     for (int64_t k = k0; k < k1; ++k) {
       std::fill(fill.begin(), fill.end(), 0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t c = rows[i * K + k] - k * P;
-        TORCH_CHECK(c >= 0 && c < P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k, " (rows ", k * P,
-                    " .. ", k * P + P - 1, "), got ", rows[i * K + k]);
-        ++fill[c];
-      }
+      for (int64_t i = 0; i < n; ++i) ++fill[code_of(rows[i * K + k], k, P)];
       int64_t pos = k * n;
       for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t at = fill[rows[i * K + k] - k * P]++;
         tok[at] = static_cast<int32_t>(i);
         sc[at] = scores[i * K + k];
-        lk[at] = i * K + k;
       }
     }
   });
@@ -506,15 +507,16 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
           backward_block<T, 0, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
       }
     });
-    if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup
+    if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup (token, table)
       A* gs = grad_scores + n0 * K;
-      const int64_t* lk = b.lookup.data();
-      parallel_tokens(L, L * threads, [=](int64_t e0, int64_t e1) {
-        for (int64_t e = e0; e < e1; ++e) {
-          A v = 0;
-          for (int t = 0; t < threads; ++t) v += pp[int64_t(t) * L + e];
-          gs[lk[e]] = v;
-        }
+      const int32_t* tok = b.token.data();
+      parallel_tokens(K, L * threads, [=](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t e = k * n; e < (k + 1) * n; ++e) {
+            A v = 0;
+            for (int t = 0; t < threads; ++t) v += pp[int64_t(t) * L + e];
+            gs[int64_t(tok[e]) * K + k] = v;
+          }
       });
     }
     if (N == 0) break;
@@ -632,16 +634,20 @@ void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const a
               "memoryformer_cpu.lookup: scores must have the shape of rows [N, K]");
 }
 
-// The bucketed forward on its own (the `lookup` op picks it for large tables and many tokens; tests call it directly).
-at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
-                              const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
-  check_lookup_args(rows, scores, tables, rows_per_table);
-  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
-  const auto acc = acc_type(tables.scalar_type());
-  auto s = scores.to(acc).contiguous();
+// The operands as the kernels take them: scores in the accumulation type, bias (undefined when absent) in the
+// tables' dtype, both contiguous.
+std::pair<at::Tensor, at::Tensor> lookup_operands(const at::Tensor& scores, const at::Tensor& tables,
+                                                  const std::optional<at::Tensor>& bias) {
+  auto s = scores.to(acc_type(tables.scalar_type())).contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
-  auto out = at::empty({N, D}, tables.options().dtype(acc));
+  return {s, b};
+}
+
+at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const at::Tensor& tables, const at::Tensor& b,
+                            int64_t rows_per_table) {
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  auto out = at::empty({N, D}, tables.options().dtype(acc_type(tables.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bucketed", [&] {
     using A = typename Acc<scalar_t>::type;
     lookup_bucketed<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
@@ -651,17 +657,24 @@ at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, 
   return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
 }
 
+// The bucketed forward on its own (the `lookup` op picks it for large tables and many tokens; tests call it directly).
+at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                              const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+  check_lookup_args(rows, scores, tables, rows_per_table);
+  at::Tensor s, b;
+  std::tie(s, b) = lookup_operands(scores, tables, bias);
+  return bucketed_forward(rows, s, tables, b, rows_per_table);
+}
+
 at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
                      const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
   check_lookup_args(rows, scores, tables, rows_per_table);
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  at::Tensor s, b;
+  std::tie(s, b) = lookup_operands(scores, tables, bias);
   // Many tokens over tables beyond the cache: stream the tables once, bucketed by row (see lookup_bucketed).
   if (int64_t(tables.nbytes()) >= kBucketedBytes && N >= kBucketedHits * rows_per_table)
-    return lookup_bucketed_op(rows, scores, tables, bias, rows_per_table);
-  const auto acc = acc_type(tables.scalar_type());
-  auto s = scores.to(acc).contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
+    return bucketed_forward(rows, s, tables, b, rows_per_table);
   if (N > kSmallBatch && tables.scalar_type() != at::kDouble) {
     // Many tokens, tables within the cache: PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
     // EmbeddingSpMDM kernel) is the fastest row gather-accumulate we have measured on CPU; it runs here below
@@ -672,9 +685,7 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
     return b.defined() ? bag.add_(b) : bag;
   }
   const int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t e = 0; e < N * K; ++e)
-    TORCH_CHECK(rp[e] - (e % K) * rows_per_table >= 0 && rp[e] - (e % K) * rows_per_table < rows_per_table,
-                "memoryformer_cpu: rows[:, ", e % K, "] must index table ", e % K, ", got ", rp[e]);
+  for (int64_t e = 0; e < N * K; ++e) code_of(rp[e], e % K, rows_per_table);
   auto out = at::empty({N, D}, tables.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
     using A = typename Acc<scalar_t>::type;
@@ -693,7 +704,7 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out
               "memoryformer_cpu.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "]");
   const auto acc = acc_type(tables.scalar_type());
   auto gy = grad_out.to(acc).contiguous();
-  auto s = scores.to(acc).contiguous();
+  auto s = lookup_operands(scores, tables, std::nullopt).first;
   at::Tensor gscores, gtables;
   if (need_scores) gscores = at::empty({N, K}, tables.options().dtype(acc));
   if (need_tables) gtables = pooled_empty_like(tables);

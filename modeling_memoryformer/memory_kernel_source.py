@@ -10,7 +10,8 @@ Operators (namespace `memoryformer_cpu`), all on contiguous CPU tensors:
       product of at most 16 factors cannot overflow and no logarithm is needed.
 - lookup(rows, scores, tables[R, D], bias?) -> y[N, D] = sum_k scores[:, k] * tables[rows[:, k]] + bias,
       accumulated in float32 (float64 for float64 tables), returned in the tables' dtype.
-- lookup_bucketed(...): the same function by the bucketed strategy below (lookup picks it by size; tests call it).
+- lookup_strategy(..., strategy) -> the same function by one named strategy ("auto" is what lookup runs; "token",
+      "embedding_bag", "packed", "bucketed" force one; tests use them to check every branch).
 - lookup_backward(grad_y, rows, scores, tables, need_tables, need_scores) -> (grad_scores, grad_tables)
       grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>; grad_tables[r] = sum_{(n,k): rows[n,k]=r} scores * grad_y[n]
 - hash_backward(grad_scores, x, tau, l1, t) -> grad_x through the score derivative (codes are piecewise constant).
@@ -19,11 +20,14 @@ Operators (namespace `memoryformer_cpu`), all on contiguous CPU tensors:
 Design (measured on a 2-core AMD EPYC, see benchmarks/): the row gather is bounded by cache/TLB misses on tables
 far larger than L2, not by FLOPs.
 Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching
-the rows 16 lookups ahead. Beyond that, for tables that fit in L3, PyTorch's embedding_bag (FBGEMM's JIT kernel),
-which measured fastest there, called below autograd. For tables beyond L3 (>= 48 MB) with >= 4 lookups per row,
-the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column blocks
-of up to 2048 tokens held in a compact L2-resident buffer, and the table is streamed once, each hit row loaded once
-and applied to all its tokens (the table is read once per call instead of N / 2**tau times, from DRAM).
+the rows 16 lookups ahead. Beyond that, for tables well inside L3, PyTorch's embedding_bag (FBGEMM's JIT kernel),
+which measured fastest there, called below autograd. For float32 tables about the size of L3 (24-48 MB) with >= 8
+lookups per row, the packed pass: per 32-column block, the rows of the next group of tables are copied into a
+contiguous L2-resident buffer while the current group serves every token, four tokens at a time in registers (the
+table is read once per 2048 tokens instead of once per lookup; 2.1 vs 2.4 ms at d = 512, N = 2048). For tables
+beyond L3 (>= 48 MB) with >= 4 lookups per row, the bucketed pass: lookups are grouped by row (a counting sort per
+table), the output is built in 64-column blocks of up to 2048 tokens held in a compact L2-resident buffer, and the
+table is streamed once, each hit row loaded once and applied to all its tokens (faster than the packed pass there).
 Backward: always bucketed, in one pass over the table rows per column block: the block of grad_y sits in L2, each
 row's table gradient is accumulated in registers and written once by one thread (no atomics, no read-modify-write
 of the large gradient; rows nobody hit are written as zeros), and the score gradients are the inner products of the
@@ -49,7 +53,9 @@ CPP_SOURCE = r"""
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -63,6 +69,8 @@ constexpr int64_t kSerialWork = 1 << 18;   // below this many multiply-adds, one
 constexpr int64_t kSmallBatch = 64;        // up to this many tokens the forward uses our own gather kernel
 constexpr int64_t kBucketedBytes = 48 << 20;  // tables at least this large (beyond L3) ...
 constexpr int64_t kBucketedHits = 4;          // ... and at least this many lookups per row: bucketed forward
+constexpr int64_t kPackedBytes = 24 << 20;    // float32 tables from this large (about L3) up to kBucketedBytes ...
+constexpr int64_t kPackedHits = 8;            // ... and at least this many lookups per row: packed forward
 
 // exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
 // so that the compiler vectorises loops that call it.
@@ -523,6 +531,107 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
   }
 }
 
+#if defined(__AVX512F__)
+// ------------------------------------------------------------------------------------------------ packed forward
+// float32 tables about the size of L3, many tokens: the output is built in column blocks of kPackCols columns for
+// chunks of up to kChunk tokens. For each block, the rows of a group of tables restricted to the block are copied
+// ("packed") into a contiguous kPackBytes buffer that stays in L2, and the tokens of the chunk add their lookups into
+// that group from the buffer, kTokens tokens at a time with their sums in registers. The copy exists because a column
+// block of the table is strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only. The copy of the
+// next group is interleaved with the gathers of the current one and prefetched kPackAhead rows ahead, so the table
+// stream from L3 / DRAM overlaps the L2-bound gathers: the table is read once per chunk instead of once per lookup.
+// Between groups the partial sums stay in the output block itself (a compact buffer measured slower: it competes
+// with the packed rows for L2).
+constexpr int64_t kPackCols = 32;           // output columns per block: two zmm accumulators per token
+constexpr int64_t kPackBytes = 256 << 10;   // packed rows per group (two such buffers stay in L2)
+constexpr int64_t kPackAhead = 16;          // rows prefetched ahead of the copy
+constexpr int kTokens = 4;                  // tokens summed at once (2 * kTokens independent accumulators)
+
+// out[n, 0:32] (+)= sum over tables k of group [g0, g0 + gn) of scores[n, k] * pack[rows[n, k] - off], for the TT
+// tokens n .. n + TT - 1 of the chunk; `first` starts from the bias block instead of the partial sums in `out`.
+template <int TT>
+inline void packed_tokens(const int64_t* rows, const float* scores, const float* pack, const float* bias_block,
+                          float* out, int64_t n, int64_t K, int64_t D, int64_t g0, int64_t gn, int64_t off,
+                          bool first) {
+  __m512 a[TT][2];
+  for (int i = 0; i < TT; ++i) {
+    const float* start = first ? bias_block : out + (n + i) * D;
+    a[i][0] = _mm512_loadu_ps(start);
+    a[i][1] = _mm512_loadu_ps(start + 16);
+  }
+  for (int64_t k = 0; k < gn; ++k) {
+#pragma GCC unroll 4
+    for (int i = 0; i < TT; ++i) {
+      const int64_t e = (n + i) * K + g0 + k;
+      const float* t = pack + (rows[e] - off) * kPackCols;
+      const __m512 s = _mm512_set1_ps(scores[e]);
+      a[i][0] = _mm512_fmadd_ps(s, _mm512_load_ps(t), a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(s, _mm512_load_ps(t + 16), a[i][1]);
+    }
+  }
+  for (int i = 0; i < TT; ++i) {
+    _mm512_storeu_ps(out + (n + i) * D, a[i][0]);
+    _mm512_storeu_ps(out + (n + i) * D + 16, a[i][1]);
+  }
+}
+
+// Requires D % kPackCols == 0 (see packed_applies). Threads take whole (chunk, column block) units.
+void lookup_packed(const int64_t* rows, const float* scores, const float* tables, const float* bias, float* out,
+                   int64_t N, int64_t K, int64_t P, int64_t D) {
+  const int64_t G = std::min(K, std::max<int64_t>(1, kPackBytes / (P * kPackCols * int64_t(sizeof(float)))));
+  const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols, nchunk = (N + kChunk - 1) / kChunk;
+  const int64_t span = G * P * kPackCols;   // floats of one packed group
+  struct Job { int64_t n0, nn, c0, g0, gn; };
+  auto job = [=](int64_t j) {   // job j = (chunk, column block, group of tables), groups innermost
+    const int64_t u = j / ngrp, chunk = u / nblk, g0 = (j % ngrp) * G;
+    return Job{chunk * kChunk, std::min(kChunk, N - chunk * kChunk), (u % nblk) * kPackCols, g0, std::min(G, K - g0)};
+  };
+  // Rows r0 .. r1 - 1 of job b's group, columns c0 .. c0 + 31, into pack (prefetches unrolled: a loop here cost more
+  // than the prefetches saved).
+  auto copy = [=](const Job& b, float* pack, int64_t r0, int64_t r1) {
+    const int64_t nrows = b.gn * P;
+    for (int64_t r = r0; r < std::min(r1, nrows); ++r) {
+      const float* src = tables + (b.g0 * P + r) * D + b.c0;
+      if (r + kPackAhead < nrows) {
+        __builtin_prefetch(src + kPackAhead * D);
+        __builtin_prefetch(src + kPackAhead * D + 16);
+      }
+      _mm512_store_ps(pack + r * kPackCols, _mm512_loadu_ps(src));
+      _mm512_store_ps(pack + r * kPackCols + 16, _mm512_loadu_ps(src + 16));
+    }
+  };
+  parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
+    std::unique_ptr<float, decltype(&std::free)> buffers(
+        static_cast<float*>(std::aligned_alloc(64, 2 * span * sizeof(float))), &std::free);
+    TORCH_CHECK(buffers, "memoryformer_cpu.lookup: out of memory for the packed rows");
+    float* packs[2] = {buffers.get(), buffers.get() + span};
+    const int64_t j0 = u0 * ngrp, j1 = u1 * ngrp;
+    if (j0 < j1) copy(job(j0), packs[j0 & 1], 0, G * P);
+    alignas(64) float bias_block[kPackCols];
+    for (int64_t j = j0; j < j1; ++j) {
+      const Job b = job(j);
+      const bool first = b.g0 == 0;
+      if (first)
+        for (int64_t c = 0; c < kPackCols; ++c) bias_block[c] = bias ? bias[b.c0 + c] : 0.0f;
+      // The next job's rows are copied a slice per step of kTokens tokens, the rest after the last step.
+      const Job next = job(std::min(j + 1, j1 - 1));
+      const int64_t next_rows = j + 1 < j1 ? next.gn * P : 0;
+      const int64_t per = (next_rows + std::max<int64_t>(1, b.nn / kTokens) - 1) / std::max<int64_t>(1, b.nn / kTokens);
+      const int64_t* r = rows + b.n0 * K;
+      const float* s = scores + b.n0 * K;
+      float* o = out + b.n0 * D + b.c0;
+      int64_t done = 0, n = 0;
+      for (; n + kTokens <= b.nn; n += kTokens) {
+        if (done < next_rows) { copy(next, packs[(j + 1) & 1], done, done + per); done += per; }
+        packed_tokens<kTokens>(r, s, packs[j & 1], bias_block, o, n, K, D, b.g0, b.gn, b.g0 * P, first);
+      }
+      for (; n < b.nn; ++n) packed_tokens<1>(r, s, packs[j & 1], bias_block, o, n, K, D, b.g0, b.gn, b.g0 * P, first);
+      if (done < next_rows) copy(next, packs[(j + 1) & 1], done, next_rows);
+    }
+  });
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------ gradient memory
 // A table gradient is as large as the tables (tens of MB per layer) and freshly allocated by every backward; the
 // first-touch page faults on that memory cost more than the kernel that fills it. Gradients are therefore taken from
@@ -657,42 +766,83 @@ at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const a
   return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
 }
 
-// The bucketed forward on its own (the `lookup` op picks it for large tables and many tokens; tests call it directly).
-at::Tensor lookup_bucketed_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
-                              const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
-  check_lookup_args(rows, scores, tables, rows_per_table);
-  at::Tensor s, b;
-  std::tie(s, b) = lookup_operands(scores, tables, bias);
-  return bucketed_forward(rows, s, tables, b, rows_per_table);
+// Whether the packed forward can run: float32 tables whose width is whole column blocks, built with AVX-512.
+bool packed_applies(const at::Tensor& tables) {
+#if defined(__AVX512F__)
+  return tables.scalar_type() == at::kFloat && tables.size(1) % kPackCols == 0;
+#else
+  return false;
+#endif
 }
 
-at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
-                     const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+// Every rows[n, k] must index table k (code_of); one vectorised pass, and code_of names the first bad entry.
+void check_rows(const at::Tensor& rows, int64_t P) {
+  const int64_t N = rows.size(0), K = rows.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  bool bad = false;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t* rn = r + n * K;
+#pragma omp simd reduction(| : bad)
+    for (int64_t k = 0; k < K; ++k) bad |= static_cast<uint64_t>(rn[k] - k * P) >= static_cast<uint64_t>(P);
+  }
+  if (bad)
+    for (int64_t e = 0; e < N * K; ++e) code_of(r[e], e % K, P);
+}
+
+// The forward strategies (see the design notes at the top). "auto" is what `lookup` runs:
+//   up to kSmallBatch tokens (or float64): token-major; tables beyond L3 (>= kBucketedBytes) with >= kBucketedHits
+//   lookups per row: bucketed; float32 tables about the size of L3 (>= kPackedBytes) with >= kPackedHits lookups per
+//   row: packed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel, the
+//   fastest gather we measured for tables well inside L3), run here below autograd, without its backward.
+// The others force one strategy; tests use them to check every branch against an oracle.
+at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                              const std::optional<at::Tensor>& bias, int64_t rows_per_table, c10::string_view strategy) {
   check_lookup_args(rows, scores, tables, rows_per_table);
-  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1), P = rows_per_table;
+  std::string how(strategy);
+  TORCH_CHECK(how == "auto" || how == "token" || how == "embedding_bag" || how == "bucketed" || how == "packed",
+              "memoryformer_cpu.lookup_strategy: unknown strategy '", how,
+              "' (use auto, token, embedding_bag, bucketed or packed)");
+  if (how == "auto") {
+    const int64_t bytes = tables.nbytes();
+    if (N <= kSmallBatch || tables.scalar_type() == at::kDouble) how = "token";
+    else if (bytes >= kBucketedBytes && N >= kBucketedHits * P) how = "bucketed";
+    else if (packed_applies(tables) && bytes >= kPackedBytes && N >= kPackedHits * P) how = "packed";
+    else how = "embedding_bag";
+  }
+  TORCH_CHECK(how != "packed" || packed_applies(tables), "memoryformer_cpu.lookup_strategy: 'packed' needs float32 "
+              "tables with a width that is a multiple of ", kPackCols, " and a build with AVX-512");
+  TORCH_CHECK(how != "embedding_bag" || tables.scalar_type() != at::kDouble,
+              "memoryformer_cpu.lookup_strategy: 'embedding_bag' does not take float64 tables");
   at::Tensor s, b;
   std::tie(s, b) = lookup_operands(scores, tables, bias);
-  // Many tokens over tables beyond the cache: stream the tables once, bucketed by row (see lookup_bucketed).
-  if (int64_t(tables.nbytes()) >= kBucketedBytes && N >= kBucketedHits * rows_per_table)
-    return bucketed_forward(rows, s, tables, b, rows_per_table);
-  if (N > kSmallBatch && tables.scalar_type() != at::kDouble) {
-    // Many tokens, tables within the cache: PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
-    // EmbeddingSpMDM kernel) is the fastest row gather-accumulate we have measured on CPU; it runs here below
-    // autograd, without its backward.
+  if (how == "bucketed") return bucketed_forward(rows, s, tables, b, P);
+  if (how == "embedding_bag") {
     auto offsets = at::arange(0, N * K, K, rows.options());
     auto bag = std::get<0>(at::embedding_bag(tables, rows.reshape({-1}), offsets, /*scale_grad_by_freq=*/false,
                                              /*mode=sum*/ 0, /*sparse=*/false, s.to(tables.scalar_type()).reshape({-1})));
     return b.defined() ? bag.add_(b) : bag;
   }
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t e = 0; e < N * K; ++e) code_of(rp[e], e % K, rows_per_table);
+  check_rows(rows, P);
   auto out = at::empty({N, D}, tables.options());
+#if defined(__AVX512F__)
+  if (how == "packed") {
+    lookup_packed(rows.data_ptr<int64_t>(), s.data_ptr<float>(), tables.data_ptr<float>(),
+                  b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, K, P, D);
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
     using A = typename Acc<scalar_t>::type;
     lookup_kernel<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
                             b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N, K, D);
   });
   return out;
+}
+
+at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                     const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+  return lookup_strategy_op(rows, scores, tables, bias, rows_per_table, "auto");
 }
 
 std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out, const at::Tensor& rows,
@@ -734,7 +884,8 @@ TORCH_LIBRARY(memoryformer_cpu, m) {
   m.def("lookup(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
   m.def("lookup_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
         "bool need_tables, bool need_scores) -> (Tensor, Tensor)");
-  m.def("lookup_bucketed(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
+  m.def("lookup_strategy(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table, str strategy) "
+        "-> Tensor");
   m.def("release_gradient_pool() -> int", &release_gradient_pool);
 }
 
@@ -742,7 +893,7 @@ TORCH_LIBRARY_IMPL(memoryformer_cpu, CPU, m) {
   m.impl("hash", &hash_op);
   m.impl("hash_backward", &hash_backward_op);
   m.impl("lookup", &lookup_op);
-  m.impl("lookup_bucketed", &lookup_bucketed_op);
+  m.impl("lookup_strategy", &lookup_strategy_op);
   m.impl("lookup_backward", &lookup_backward_op);
 }
 """

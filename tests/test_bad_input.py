@@ -27,15 +27,18 @@ def test_fused_ops_reject_rows_of_the_wrong_table_instead_of_reading_out_of_boun
     if "fused" not in memory_ops.available_kernels():
         pytest.skip("the fused CPU kernel is not built in this environment")
     ops = torch.ops.memoryformer_cpu
-    tables = torch.randn(4 * 16, 8)
+    tables = torch.randn(4 * 16, 32)
     rows = torch.tensor([[0, 16, 32, 48], [15, 31, 47, 63]])
     bad = rows.clone()
     bad[1, 2] = 70  # beyond the parameter
     scores = torch.ones(2, 4)
+    strategies = ["token", "bucketed"]
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        strategies.append("packed")
     for op in (
         lambda r: ops.lookup(r, scores, tables, None, 16),
-        lambda r: ops.lookup_bucketed(r, scores, tables, None, 16),
-        lambda r: ops.lookup_backward(torch.ones(2, 8), r, scores, tables, 16, True, True),
+        *(lambda r, how=how: ops.lookup_strategy(r, scores, tables, None, 16, how) for how in strategies),
+        lambda r: ops.lookup_backward(torch.ones(2, 32), r, scores, tables, 16, True, True),
     ):
         op(rows)  # valid rows work
         with pytest.raises(RuntimeError, match="must index table 2"):

@@ -1,10 +1,11 @@
 """The fused CPU kernel's internal strategies, each against an independent float64 oracle.
 
-The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, and the bucketed pass that
-streams the tables once, for tables beyond the cache with many tokens); the backward always takes the bucketed pass,
-in chunks of 2048 tokens and column blocks of 64. Tiny layers never reach most of these branches, so this file drives
-each one directly on shapes around its edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one, two and three chunks),
-widths below, at and between multiples of 64 (ragged last block), and every table dtype.
+The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, the packed pass for float32
+tables about the size of L3, and the bucketed pass that streams the tables once, for tables beyond the cache with
+many tokens); the backward always takes the bucketed pass, in chunks of 2048 tokens and column blocks of 64. Tiny
+layers never reach most of these branches, so this file forces each one (`lookup_strategy`) on shapes around its
+edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one, two and three chunks), widths below, at and between
+multiples of 64 (ragged last block), several groups of packed tables, and every table dtype.
 
 Oracle: the dense one-hot formulation in float64, y = S @ T with S[n, row] = score (an [N, R] matrix built by
 scatter), so grad_T = S^T @ grad_y and grad_S = grad_y @ T^T, computed by torch.mm, not by any gather.
@@ -58,28 +59,84 @@ def assert_close_scaled(actual, expected, scale, dtype):
     assert worst <= 1.0, f"max error {err.max().item():.3g} exceeds {TOLERANCE[dtype]} x scale (ratio {worst:.2f})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype):
+    assert y.dtype == dtype and y.shape == (rows.shape[0], tables.shape[1])
+    s = one_hot_scores(rows, scores, tables.shape[0])
+    b = bias.double() if bias is not None else torch.zeros(tables.shape[1], dtype=torch.float64)
+    expected = s @ tables.double() + b
+    scale = s.abs() @ tables.double().abs() + b.abs()
+    assert_close_scaled(y, expected, scale, dtype)
+
+
+STRATEGY_DTYPES = [
+    (strategy, dtype)
+    for strategy in ("token", "embedding_bag", "bucketed")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if not (strategy == "embedding_bag" and dtype == torch.float64)  # float64 always takes the token kernel
+]
+
+
+@pytest.mark.parametrize("strategy, dtype", STRATEGY_DTYPES, ids=lambda v: str(v))
 @pytest.mark.parametrize(
     "n, num_tables, hash_bits, out_features",
     [(1, 3, 4, 5), (37, 4, 4, 64), (2047, 2, 6, 65), (2048, 3, 4, 128), (2049, 2, 5, 130), (4100, 2, 3, 200)],
 )
-def test_bucketed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, dtype):
+def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, dtype, strategy):
     rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype)
-    y = ops().lookup_bucketed(rows, scores, tables, bias, 2**hash_bits)
-    assert y.dtype == dtype and y.shape == (n, out_features)
-    s = one_hot_scores(rows, scores, tables.shape[0])
-    expected = s @ tables.double() + bias.double()
-    scale = s.abs() @ tables.double().abs() + bias.double().abs()
-    assert_close_scaled(y, expected, scale, dtype)
+    y = ops().lookup_strategy(rows, scores, tables, bias, 2**hash_bits, strategy)
+    assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
+
+
+packed_pass = pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="the packed pass is built with AVX-512"
+)
+
+
+@packed_pass
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize(
+    "n, num_tables, hash_bits, out_features",
+    [
+        (1, 3, 4, 32),  # fewer tokens than one step of four
+        (5, 20, 8, 64),  # 20 tables of 256 rows: packed groups of 8, 8 and 4, the next group copied while summing
+        (4099, 20, 8, 96),  # three chunks, the last of three tokens
+        (2048, 3, 10, 32),  # 1024 rows per table: groups of two
+        (300, 3, 12, 64),  # 4096 rows per table: larger than one group's budget, one table per group
+    ],
+)
+def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, with_bias):
+    rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, torch.float32, seed=n)
+    bias = bias if with_bias else None
+    y = ops().lookup_strategy(rows, scores, tables, bias, 2**hash_bits, "packed")
+    assert_forward_matches_oracle(y, rows, scores, tables, bias, torch.float32)
+
+
+@packed_pass
+def test_packed_forward_is_picked_for_l3_sized_float32_tables_and_many_tokens():
+    """d = 512, tau = 8: 33.5 MB of tables (about L3), 2048 tokens: `lookup` takes the packed pass, and equals it."""
+    rows, scores, tables, bias = hashed_inputs(2048, 64, 8, 512, torch.float32, seed=3)
+    picked = ops().lookup(rows, scores, tables, bias, 256)
+    assert torch.equal(picked, ops().lookup_strategy(rows, scores, tables, bias, 256, "packed"))
+    assert not torch.equal(picked, ops().lookup_strategy(rows, scores, tables, bias, 256, "embedding_bag"))
+
+
+def test_strategy_errors_name_the_problem():
+    rows, scores, tables, bias = hashed_inputs(8, 2, 3, 40, torch.float32)
+    with pytest.raises(RuntimeError, match="unknown strategy 'fast'"):
+        ops().lookup_strategy(rows, scores, tables, bias, 8, "fast")
+    with pytest.raises(RuntimeError, match="'packed' needs float32 tables with a width that is a multiple of 32"):
+        ops().lookup_strategy(rows, scores, tables, bias, 8, "packed")
+    with pytest.raises(RuntimeError, match="'packed' needs float32"):
+        ops().lookup_strategy(rows, scores, tables[:, :32].to(torch.bfloat16).contiguous(), None, 8, "packed")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [1, 300, 2049, 4100])
-def test_lookup_op_matches_the_bucketed_op_at_every_size(n, dtype):
+def test_lookup_op_matches_the_bucketed_pass_at_every_size(n, dtype):
     """Whatever strategy `lookup` picks for a size, it computes the same function as the bucketed pass."""
     rows, scores, tables, bias = hashed_inputs(n, 4, 4, 96, dtype, seed=n)
     picked = ops().lookup(rows, scores, tables, bias, 16)
-    bucketed = ops().lookup_bucketed(rows, scores, tables, bias, 16)
+    bucketed = ops().lookup_strategy(rows, scores, tables, bias, 16, "bucketed")
     s = one_hot_scores(rows, scores, tables.shape[0])
     scale = s.abs() @ tables.double().abs() + bias.double().abs()
     assert_close_scaled(picked, bucketed.double(), scale, dtype)

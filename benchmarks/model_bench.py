@@ -170,8 +170,10 @@ def memory_estimate(info: dict, workload: str, spec: ModelSpec) -> tuple[int, st
     return weights + activations + runtime, f"fp32 weights {weights / GB:.1f} GB + activations"
 
 
-def _skip_reason(need: int, how: str, available: int) -> str:
-    return f"skipped: needs ~{need / GB:.1f} GB ({how}); {available / GB:.1f} GB available"
+def _skip_reason(need: int, how: str, available: int, beside: int = 0) -> str:
+    """`beside`: memory already held in this process by the other models built for the same comparison."""
+    held = f" next to {beside / GB:.1f} GB held by the other model(s) of this process" if beside > 0 else ""
+    return f"skipped: needs ~{need / GB:.1f} GB ({how}){held}; {available / GB:.1f} GB available"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -340,7 +342,8 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
                 fits[workload][kind] = None
                 used += extra
             else:
-                fits[workload][kind] = _skip_reason(need, how, available)
+                beside = used - RUNTIME_BYTES - (4 * infos[kind]["params"] if kind in build else 0)
+                fits[workload][kind] = _skip_reason(need, how, available, beside)
     built = {}
     for kind in build:
         t0 = time.perf_counter()

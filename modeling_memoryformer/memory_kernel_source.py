@@ -796,7 +796,8 @@ void check_rows(const at::Tensor& rows, int64_t P) {
 //   fastest gather we measured for tables well inside L3), run here below autograd, without its backward.
 // The others force one strategy; tests use them to check every branch against an oracle.
 at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
-                              const std::optional<at::Tensor>& bias, int64_t rows_per_table, c10::string_view strategy) {
+                              const std::optional<at::Tensor>& bias, int64_t rows_per_table,
+                              c10::string_view strategy) {
   check_lookup_args(rows, scores, tables, rows_per_table);
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1), P = rows_per_table;
   std::string how(strategy);
@@ -819,8 +820,9 @@ at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, 
   if (how == "bucketed") return bucketed_forward(rows, s, tables, b, P);
   if (how == "embedding_bag") {
     auto offsets = at::arange(0, N * K, K, rows.options());
+    auto weights = s.to(tables.scalar_type()).reshape({-1});
     auto bag = std::get<0>(at::embedding_bag(tables, rows.reshape({-1}), offsets, /*scale_grad_by_freq=*/false,
-                                             /*mode=sum*/ 0, /*sparse=*/false, s.to(tables.scalar_type()).reshape({-1})));
+                                             /*mode=sum*/ 0, /*sparse=*/false, weights));
     return b.defined() ? bag.add_(b) : bag;
   }
   check_rows(rows, P);

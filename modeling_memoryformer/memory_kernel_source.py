@@ -534,7 +534,7 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 #if defined(__AVX512F__)
 // ------------------------------------------------------------------------------------------------ packed forward
 // float32 tables about the size of L3, many tokens: the output is built in column blocks of kPackCols columns for
-// chunks of up to kChunk tokens. For each block, the rows of a group of tables restricted to the block are copied
+// chunks of up to kPackChunk tokens. For each block, the rows of a group of tables restricted to the block are copied
 // ("packed") into a contiguous kPackBytes buffer that stays in L2, and the tokens of the chunk add their lookups into
 // that group from the buffer, kTokens tokens at a time with their sums in registers. The copy exists because a column
 // block of the table is strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only. The copy of the
@@ -546,6 +546,7 @@ constexpr int64_t kPackCols = 32;           // output columns per block: two zmm
 constexpr int64_t kPackBytes = 256 << 10;   // packed rows per group (two such buffers stay in L2)
 constexpr int64_t kPackAhead = 16;          // rows prefetched ahead of the copy
 constexpr int kTokens = 4;                  // tokens summed at once (2 * kTokens independent accumulators)
+constexpr int64_t kPackChunk = 4096;        // tokens per pass at most (the table is copied once per pass)
 
 // out[n, 0:32] (+)= sum over tables k of group [g0, g0 + gn) of scores[n, k] * pack[rows[n, k] - off], for the TT
 // tokens n .. n + TT - 1 of the chunk; `first` starts from the bias block instead of the partial sums in `out`.
@@ -579,12 +580,16 @@ inline void packed_tokens(const int64_t* rows, const float* scores, const float*
 void lookup_packed(const int64_t* rows, const float* scores, const float* tables, const float* bias, float* out,
                    int64_t N, int64_t K, int64_t P, int64_t D) {
   const int64_t G = std::min(K, std::max<int64_t>(1, kPackBytes / (P * kPackCols * int64_t(sizeof(float)))));
-  const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols, nchunk = (N + kChunk - 1) / kChunk;
+  if (N == 0) return;
+  // Chunks of equal size, at most kPackChunk tokens: a small last chunk would copy the whole table for few tokens.
+  const int64_t nchunk = (N + kPackChunk - 1) / kPackChunk, chunk_size = (N + nchunk - 1) / nchunk;
+  const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols;
   const int64_t span = G * P * kPackCols;   // floats of one packed group
   struct Job { int64_t n0, nn, c0, g0, gn; };
   auto job = [=](int64_t j) {   // job j = (chunk, column block, group of tables), groups innermost
     const int64_t u = j / ngrp, chunk = u / nblk, g0 = (j % ngrp) * G;
-    return Job{chunk * kChunk, std::min(kChunk, N - chunk * kChunk), (u % nblk) * kPackCols, g0, std::min(G, K - g0)};
+    return Job{chunk * chunk_size, std::min(chunk_size, N - chunk * chunk_size), (u % nblk) * kPackCols, g0,
+               std::min(G, K - g0)};
   };
   // Rows r0 .. r1 - 1 of job b's group, columns c0 .. c0 + 31, into pack (prefetches unrolled: a loop here cost more
   // than the prefetches saved).

@@ -97,9 +97,12 @@ packed_pass = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "n, num_tables, hash_bits, out_features",
     [
+        (0, 3, 4, 32),  # no tokens
         (1, 3, 4, 32),  # fewer tokens than one step of four
         (5, 20, 8, 64),  # 20 tables of 256 rows: packed groups of 8, 8 and 4, the next group copied while summing
-        (4099, 20, 8, 96),  # three chunks, the last of three tokens
+        (3, 20, 8, 64),  # the same with no full step of four: the next group is copied after the tokens
+        (4099, 20, 8, 96),  # one chunk of 4099 tokens: the last step of four has three
+        (8195, 4, 8, 32),  # three chunks of 2732, 2732 and 2731 tokens
         (2048, 3, 10, 32),  # 1024 rows per table: groups of two
         (300, 3, 12, 64),  # 4096 rows per table: larger than one group's budget, one table per group
     ],
@@ -109,6 +112,26 @@ def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_feat
     bias = bias if with_bias else None
     y = ops().lookup_strategy(rows, scores, tables, bias, 2**hash_bits, "packed")
     assert_forward_matches_oracle(y, rows, scores, tables, bias, torch.float32)
+
+
+@packed_pass
+def test_packed_and_bucketed_passes_give_the_same_bits_on_any_number_of_threads():
+    """Threads split the work by whole column blocks, each summed in a fixed order: the thread count cannot change
+    a single bit of the output."""
+    rows, scores, tables, bias = hashed_inputs(4099, 20, 8, 96, torch.float32, seed=5)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results[threads] = [
+                ops().lookup_strategy(rows, scores, tables, bias, 256, how) for how in ("packed", "bucketed")
+            ]
+    finally:
+        torch.set_num_threads(before)
+    for threads in (2, 3):
+        for single, multi in zip(results[1], results[threads]):
+            assert torch.equal(single, multi)
 
 
 @packed_pass

@@ -19,12 +19,12 @@ Operators (namespace `memoryformer_cpu`), all on contiguous CPU tensors:
 
 Design (measured on a 2-core AMD EPYC, see benchmarks/): the row gather is bounded by cache/TLB misses on tables
 far larger than L2, not by FLOPs.
-Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching
-the rows 16 lookups ahead. Beyond that, for tables well inside L3, PyTorch's embedding_bag (FBGEMM's JIT kernel),
-which measured fastest there, called below autograd. For float32 tables about the size of L3 (24-48 MB) with >= 8
-lookups per row, the packed pass: per 32-column block, the rows of the next group of tables are copied into a
-contiguous L2-resident buffer while the current group serves every token, four tokens at a time in registers (the
-table is read once per 2048 tokens instead of once per lookup; 2.1 vs 2.4 ms at d = 512, N = 2048). For tables
+Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the
+rows 16 lookups ahead. Beyond that, for tables well inside L3, PyTorch's embedding_bag (FBGEMM's JIT kernel), which
+measured fastest there, called below autograd. For float32 tables about the size of L3 (24-48 MB) with >= 8 lookups
+per row, the packed pass: per 32-column block, the rows of the next group of tables are copied into a contiguous
+L2-resident buffer while the current group serves every token, four tokens at a time in registers (the table is read
+once per chunk of up to 4096 tokens instead of once per lookup; 2.1 vs 2.4 ms at d = 512, N = 2048). For tables
 beyond L3 (>= 48 MB) with >= 4 lookups per row, the bucketed pass: lookups are grouped by row (a counting sort per
 table), the output is built in 64-column blocks of up to 2048 tokens held in a compact L2-resident buffer, and the
 table is streamed once, each hit row loaded once and applied to all its tokens (faster than the packed pass there).

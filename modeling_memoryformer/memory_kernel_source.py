@@ -265,14 +265,6 @@ template <typename A> struct Buckets {
   std::vector<A> score;         // [n * K]: its score
 };  // position e belongs to table e / n (see bucket_lookups), so its lookup is (token[e], e / n)
 
-// Column k of rows must index table k (rows k*P .. k*P + P - 1): anything else would read or write out of bounds.
-inline int64_t code_of(int64_t row, int64_t k, int64_t P) {
-  const int64_t c = row - k * P;
-  TORCH_CHECK(c >= 0 && c < P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k, " (rows ", k * P, " .. ",
-              k * P + P - 1, "), got ", row);
-  return c;
-}
-
 // Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
 template <typename A>
 void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, int64_t P, Buckets<A>& b) {
@@ -286,7 +278,7 @@ void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, 
     std::vector<int64_t> fill(P);
     for (int64_t k = k0; k < k1; ++k) {
       std::fill(fill.begin(), fill.end(), 0);
-      for (int64_t i = 0; i < n; ++i) ++fill[code_of(rows[i * K + k], k, P)];
+      for (int64_t i = 0; i < n; ++i) ++fill[rows[i * K + k] - k * P];   // rows checked by check_lookup_args
       int64_t pos = k * n;
       for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
       for (int64_t i = 0; i < n; ++i) {
@@ -737,6 +729,25 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
   return gx;
 }
 
+// Column k of rows must index table k (rows k*P .. k*P + P - 1): anything else would read or write out of bounds.
+// One vectorised pass over all lookups (about 1% of a forward); on failure, the first bad entry is named.
+void check_rows(const at::Tensor& rows, int64_t P) {
+  const int64_t N = rows.size(0), K = rows.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  bool bad = false;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t* rn = r + n * K;
+#pragma omp simd reduction(| : bad)
+    for (int64_t k = 0; k < K; ++k) bad |= static_cast<uint64_t>(rn[k] - k * P) >= static_cast<uint64_t>(P);
+  }
+  for (int64_t e = 0; bad && e < N * K; ++e) {
+    const int64_t k = e % K, row = r[e];
+    TORCH_CHECK(row >= k * P && row < (k + 1) * P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k,
+                " (rows ", k * P, " .. ", k * P + P - 1, "), got ", row);
+  }
+}
+
+// Shapes of every lookup op's operands, and the rows (check_rows): the kernels index the tables with them unchecked.
 void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
                        int64_t rows_per_table) {
   check_cpu_contiguous(rows, "rows");
@@ -746,6 +757,7 @@ void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const a
   TORCH_CHECK(rows.size(1) * rows_per_table == tables.size(0), "memoryformer_cpu.lookup: tables do not match rows");
   TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == rows.size(1),
               "memoryformer_cpu.lookup: scores must have the shape of rows [N, K]");
+  check_rows(rows, rows_per_table);
 }
 
 // The operands as the kernels take them: scores in the accumulation type, bias (undefined when absent) in the
@@ -780,21 +792,6 @@ bool packed_applies(const at::Tensor& tables) {
 #endif
 }
 
-// Every rows[n, k] must index table k (code_of), whatever the strategy: one vectorised pass (about 1% of a
-// forward), and code_of names the first bad entry.
-void check_rows(const at::Tensor& rows, int64_t P) {
-  const int64_t N = rows.size(0), K = rows.size(1);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  bool bad = false;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t* rn = r + n * K;
-#pragma omp simd reduction(| : bad)
-    for (int64_t k = 0; k < K; ++k) bad |= static_cast<uint64_t>(rn[k] - k * P) >= static_cast<uint64_t>(P);
-  }
-  if (bad)
-    for (int64_t e = 0; e < N * K; ++e) code_of(r[e], e % K, P);
-}
-
 // The forward strategies (see the design notes at the top). "auto" is what `lookup` runs:
 //   up to kSmallBatch tokens (or float64): token-major; tables beyond L3 (>= kBucketedBytes) with >= kBucketedHits
 //   lookups per row: bucketed; float32 tables about the size of L3 (>= kPackedBytes) with >= kPackedHits lookups per
@@ -821,7 +818,6 @@ at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, 
               "tables with a width that is a multiple of ", kPackCols, " and a build with AVX-512");
   TORCH_CHECK(how != "embedding_bag" || tables.scalar_type() != at::kDouble,
               "memoryformer_cpu.lookup_strategy: 'embedding_bag' does not take float64 tables");
-  check_rows(rows, P);
   at::Tensor s, b;
   std::tie(s, b) = lookup_operands(scores, tables, bias);
   if (how == "bucketed") return bucketed_forward(rows, s, tables, b, P);

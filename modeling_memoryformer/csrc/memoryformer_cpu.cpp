@@ -31,3 +31,867 @@
 // same row with the same grad_y spans, summed over the column blocks.
 // Gradient memory: table gradients come from a pool of huge-page-advised blocks that are reused once their tensor is
 
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <sys/mman.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kCols = 256;             // output columns accumulated in registers per pass over a token's rows
+constexpr int64_t kAhead = 16;             // table rows prefetched this many lookups ahead
+constexpr int64_t kSerialWork = 1 << 18;   // below this many multiply-adds, one thread
+constexpr int64_t kSmallBatch = 64;        // up to this many tokens the forward uses our own gather kernel
+constexpr int64_t kBucketedBytes = 48 << 20;  // tables at least this large (beyond L3) ...
+constexpr int64_t kBucketedHits = 4;          // ... and at least this many lookups per row: bucketed forward
+constexpr int64_t kPackedBytes = 24 << 20;    // float32 tables from this large (about L3) up to kBucketedBytes ...
+constexpr int64_t kPackedHits = 8;            // ... and at least this many lookups per row: packed forward
+
+// exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
+// so that the compiler vectorises loops that call it.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float fx = x * 1.44269504088896341f;
+  const float n = (fx + 12582912.0f) - 12582912.0f;   // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+inline double exp_nonpos(double x) { return std::exp(x); }
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T> inline typename Acc<T>::type to_acc(T v) { return static_cast<typename Acc<T>::type>(v); }
+
+// A fresh multi-MB gradient is new memory from the OS: first-touch faults on 4 KB pages cost more than the kernel
+// that fills it. Ask for transparent huge pages on the untouched range (honoured when THP is in `madvise` mode).
+void advise_huge_pages(void* p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+#endif
+}
+
+int64_t threads_for(int64_t work) { return work < kSerialWork ? 1 : at::get_num_threads(); }
+
+template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
+  if (threads_for(work) == 1) body(0, N);
+  else at::parallel_for(0, N, 1, body);
+}
+
+template <typename T> inline void prefetch_span(const T* p, int64_t w) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < int64_t(w * sizeof(T)); b += 64) __builtin_prefetch(c + b);
+}
+
+// ------------------------------------------------------------------------------------------------ hashing
+// Vectorised across the K chunks of a token (lane k reads value i of chunk k, a stride-tau gather), so exp, the
+// product, the norm and the code bits of 16 chunks are computed at once. prod = prod_i (1 + e_i), multiplied in
+// order i = 0..tau-1 here and in the backward, so both see bit-identical scores; p = 1 / prod and each factor lies
+// in (1, 2], so nothing overflows.
+template <typename X>
+void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64_t N, int64_t K, int64_t tau,
+                 bool l1, double temperature) {
+  using A = typename Acc<X>::type;
+  const int64_t D = K * tau;
+  const A c = static_cast<A>(2.0 / temperature);
+  parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
+    std::vector<A> z(D), prod(K), norm(K);
+    std::vector<int32_t> code(K);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t i = 0; i < D; ++i) z[i] = to_acc(x[n * D + i]);
+      A* pr = prod.data();
+      A* nm = norm.data();
+      int32_t* cd = code.data();
+      const A* zz = z.data();
+      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); cd[k] = 0; }
+      for (int64_t i = 0; i < tau; ++i) {
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) {
+          const A v = zz[k * tau + i];
+          const A a = std::abs(v);
+          pr[k] *= A(1) + exp_nonpos(-c * a);
+          nm[k] += a;
+          cd[k] |= int32_t(v >= A(0)) << i;
+        }
+      }
+      int64_t* rn = rows + n * K;
+      A* sn = scores + n * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) {
+        rn[k] = (k << tau) + cd[k];
+        sn[k] = (l1 ? nm[k] : A(1)) / pr[k];   // p = 1 / prod(1 + exp(-2|z|/t)), prod in [1, 2^tau]
+      }
+    }
+  });
+}
+
+template <typename X>
+void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, int64_t N, int64_t K, int64_t tau,
+                          bool l1, double temperature) {
+  using A = typename Acc<X>::type;
+  const int64_t D = K * tau;
+  const A c = static_cast<A>(2.0 / temperature);
+  parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
+    std::vector<A> z(D), e(D), a(D), b(D), prod(K), norm(K);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t i = 0; i < D; ++i) z[i] = to_acc(x[n * D + i]);
+      A* pr = prod.data();
+      A* nm = norm.data();
+      A* ee = e.data();
+      const A* zz = z.data();
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) ee[j] = exp_nonpos(-c * std::abs(zz[j]));
+      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); }
+      for (int64_t i = 0; i < tau; ++i) {   // the forward's scores, recomputed in the same order (see hash_kernel)
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) {
+          pr[k] *= A(1) + ee[k * tau + i];
+          nm[k] += std::abs(zz[k * tau + i]);
+        }
+      }
+      // d score / d z_j = sign(z_j) * (a_k + b_k * e_j / (1 + e_j)) with, for chunk k (p = 1 / prod):
+      //   paper: a = 0,        b = (2/t) p          (d p / d z_j = p (2/t) sign(z_j) e_j / (1 + e_j))
+      //   l1:    a = p,        b = (2/t) p ||z_k||_1
+      // a and b (times the incoming gradient) are spread over their chunk, then one vector pass over all D values.
+      const A* g = gs + n * K;
+      A* av = a.data();
+      A* bv = b.data();
+      for (int64_t k = 0; k < K; ++k) {
+        const A p = A(1) / pr[k], gk = g[k];
+        const A ak = l1 ? gk * p : A(0), bk = gk * c * p * (l1 ? nm[k] : A(1));
+        for (int64_t i = 0; i < tau; ++i) { av[k * tau + i] = ak; bv[k * tau + i] = bk; }
+      }
+      X* gxn = gx + n * D;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) {
+        const A v = zz[j];
+        const A sg = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
+        gxn[j] = static_cast<X>(sg * (av[j] + bv[j] * (ee[j] / (A(1) + ee[j]))));
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ lookup
+// Token-major gather-accumulate: for each token and each span of kCols output columns, the K row spans are summed
+// into registers while the rows kAhead lookups ahead (this token's or the next one's) are prefetched, so the
+// random row reads overlap instead of waiting on the cache one after another.
+template <typename T>
+void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
+                   T* out, int64_t N, int64_t K, int64_t D) {
+  using A = typename Acc<T>::type;
+  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t* rn = rows + n * K;
+      const A* sn = scores + n * K;
+      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
+      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
+        const int64_t w = std::min(kCols, D - c0);
+        A acc[kCols];
+        for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
+        for (int64_t k = 0; k < K; ++k) {
+          if (k + kAhead < ahead_limit) prefetch_span(tables + rn[k + kAhead] * D + c0, w);
+          const T* t = tables + rn[k] * D + c0;
+          const A s = sn[k];
+          if (w == kCols) {
+#pragma omp simd
+            for (int64_t j = 0; j < kCols; ++j) acc[j] += s * to_acc(t[j]);
+          } else {
+            for (int64_t j = 0; j < w; ++j) acc[j] += s * to_acc(t[j]);
+          }
+        }
+        T* o = out + n * D + c0;   // accumulated in A, stored in the tables' dtype
+        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ bucketed passes
+// For many tokens the lookups are grouped by table row (a counting sort per table: each table holds every token
+// exactly once), and the work is split by column blocks of kBlock columns. One column block of all tokens
+// (at most kChunk tokens x kBlock floats = 512 KB) lives in a contiguous buffer that stays in L2, while the rows of
+// the table are streamed once, in order, each hit row loaded into registers once and applied to all of its tokens.
+// The table is then read once per call instead of once per lookup (N / 2**tau times), and the random accesses go to
+// L2 instead of L3 / DRAM. The buffer is compact because a strided column block of a [N, D] matrix with D*4 a
+// multiple of 2 KB maps onto a few cache sets only.
+constexpr int64_t kBlock = 64;     // columns per block
+constexpr int64_t kChunk = 2048;   // tokens per pass (kChunk * kBlock floats in the buffer)
+constexpr int64_t kRowAhead = 12;  // table rows prefetched ahead in the stream
+
+template <typename A> struct Buckets {
+  std::vector<int64_t> start;   // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
+  std::vector<int32_t> token;   // [n * K]: token (chunk-relative) of each position
+  std::vector<A> score;         // [n * K]: its score
+};  // position e belongs to table e / n (see bucket_lookups), so its lookup is (token[e], e / n)
+
+// Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
+template <typename A>
+void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, int64_t P, Buckets<A>& b) {
+  b.start.resize(K * P + 1);
+  b.token.resize(n * K);
+  b.score.resize(n * K);
+  int64_t* st = b.start.data();
+  int32_t* tok = b.token.data();
+  A* sc = b.score.data();
+  parallel_tokens(K, n * K * 8, [=](int64_t k0, int64_t k1) {
+    std::vector<int64_t> fill(P);
+    for (int64_t k = k0; k < k1; ++k) {
+      std::fill(fill.begin(), fill.end(), 0);
+      for (int64_t i = 0; i < n; ++i) ++fill[rows[i * K + k] - k * P];   // rows checked by check_lookup_args
+      int64_t pos = k * n;
+      for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = fill[rows[i * K + k] - k * P]++;
+        tok[at] = static_cast<int32_t>(i);
+        sc[at] = scores[i * K + k];
+      }
+    }
+  });
+  st[K * P] = n * K;
+}
+
+#if defined(__AVX512F__)
+// float32 blocks of 64 columns with the row and the accumulators held in four zmm registers (the compiler does not
+// keep the generic loops' arrays in registers across the hit loop).
+inline void scatter_hits_f32x64(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                                float* buf) {
+  const __m512 t0 = _mm512_loadu_ps(t), t1 = _mm512_loadu_ps(t + 16), t2 = _mm512_loadu_ps(t + 32),
+               t3 = _mm512_loadu_ps(t + 48);
+  for (int64_t e = e0; e < e1; ++e) {
+    float* y = buf + int64_t(tok[e]) * 64;
+    const __m512 s = _mm512_set1_ps(sc[e]);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(s, t0, _mm512_loadu_ps(y)));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(s, t1, _mm512_loadu_ps(y + 16)));
+    _mm512_storeu_ps(y + 32, _mm512_fmadd_ps(s, t2, _mm512_loadu_ps(y + 32)));
+    _mm512_storeu_ps(y + 48, _mm512_fmadd_ps(s, t3, _mm512_loadu_ps(y + 48)));
+  }
+}
+
+template <bool kTables, bool kScores>
+inline void backward_hits_f32x64(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                                 const float* buf, float* acc, float* part) {
+  __m512 t0, t1, t2, t3, a0, a1, a2, a3;
+  if (kScores) {
+    t0 = _mm512_loadu_ps(t); t1 = _mm512_loadu_ps(t + 16); t2 = _mm512_loadu_ps(t + 32); t3 = _mm512_loadu_ps(t + 48);
+  }
+  if (kTables) {
+    a0 = _mm512_loadu_ps(acc); a1 = _mm512_loadu_ps(acc + 16); a2 = _mm512_loadu_ps(acc + 32);
+    a3 = _mm512_loadu_ps(acc + 48);
+  }
+  for (int64_t e = e0; e < e1; ++e) {
+    const float* y = buf + int64_t(tok[e]) * 64;
+    const __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16), y2 = _mm512_loadu_ps(y + 32),
+                 y3 = _mm512_loadu_ps(y + 48);
+    if (kTables) {
+      const __m512 s = _mm512_set1_ps(sc[e]);
+      a0 = _mm512_fmadd_ps(s, y0, a0); a1 = _mm512_fmadd_ps(s, y1, a1);
+      a2 = _mm512_fmadd_ps(s, y2, a2); a3 = _mm512_fmadd_ps(s, y3, a3);
+    }
+    if (kScores) {
+      const __m512 d = _mm512_add_ps(_mm512_fmadd_ps(y1, t1, _mm512_mul_ps(y0, t0)),
+                                     _mm512_fmadd_ps(y3, t3, _mm512_mul_ps(y2, t2)));
+      part[e] += _mm512_reduce_add_ps(d);
+    }
+  }
+  if (kTables) {
+    _mm512_storeu_ps(acc, a0); _mm512_storeu_ps(acc + 16, a1); _mm512_storeu_ps(acc + 32, a2);
+    _mm512_storeu_ps(acc + 48, a3);
+  }
+}
+#endif
+
+// Forward of one column block [c0, c0 + W) for the tokens of one chunk: buf[i, :] = sum over the chunk's lookups
+// (i, k) of scores * tables[row, c0:c0+W]. W is kBlock (vectorised, unrolled) or the ragged last block.
+template <typename T, int64_t W>
+void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typename Acc<T>::type* buf, int64_t n,
+                   int64_t R, int64_t D, int64_t c0, int64_t w) {
+  using A = typename Acc<T>::type;
+  const int64_t ww = W ? W : w;
+  std::memset(static_cast<void*>(buf), 0, sizeof(A) * n * ww);
+  const int64_t* st = b.start.data();
+  const int32_t* tok = b.token.data();
+  const A* sc = b.score.data();
+  for (int64_t r = 0; r < R; ++r) {
+    if (r + kRowAhead < R && st[r + kRowAhead] != st[r + kRowAhead + 1])
+      prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
+    const int64_t e0 = st[r], e1 = st[r + 1];
+    if (e0 == e1) continue;
+    const T* t = tables + r * D + c0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && W == 64) {
+      scatter_hits_f32x64(t, tok, sc, e0, e1, buf);
+      continue;
+    }
+#endif
+    A tv[W ? W : kBlock];
+    for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
+    for (int64_t e = e0; e < e1; ++e) {
+      A* y = buf + int64_t(tok[e]) * ww;
+      const A s = sc[e];
+      if (W) {
+#pragma omp simd
+        for (int64_t j = 0; j < W; ++j) y[j] += s * tv[j];
+      } else {
+        for (int64_t j = 0; j < w; ++j) y[j] += s * tv[j];
+      }
+    }
+  }
+}
+
+// Store a finished gradient span that nothing will read soon: non-temporal (no read-for-ownership of the line, no
+// eviction of the L2-resident buffer) where the span is float32, 64-byte aligned whole lines.
+template <typename T, typename A> inline void store_span(T* g, const A* v, int64_t w, bool stream) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && std::is_same<A, float>::value) {
+    if (stream && w % 16 == 0 && (reinterpret_cast<uintptr_t>(g) & 63) == 0) {
+      for (int64_t j = 0; j < w; j += 16) _mm512_stream_ps(g + j, _mm512_loadu_ps(v + j));
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < w; ++j) g[j] = static_cast<T>(v[j]);
+}
+
+// Backward of one column block for one chunk, in the same single pass over the table rows:
+//   grad_tables[r, block] (+)= sum over lookups of r of scores * grad_y[token, block]  (written once, by one thread)
+//   part[position] += <grad_y[token, block], tables[r, block]>  (this block's share of the score gradient)
+// Rows no lookup hit are written as zeros by the first chunk (`first`) and left alone by later ones.
+template <typename T, int64_t W, bool kTables, bool kScores>
+void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
+                    const typename Acc<T>::type* buf, T* grad_tables, typename Acc<T>::type* part, int64_t R, int64_t D,
+                    int64_t c0, int64_t w, bool first) {
+  using A = typename Acc<T>::type;
+  const int64_t ww = W ? W : w;
+  const int64_t* st = b.start.data();
+  const int32_t* tok = b.token.data();
+  const A* sc = b.score.data();
+  A zeros[kBlock] = {};
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t e0 = st[r], e1 = st[r + 1];
+    T* g = kTables ? grad_tables + r * D + c0 : nullptr;
+    if (e0 == e1) {
+      if (kTables && first) store_span(g, zeros, ww, true);
+      continue;
+    }
+    if (kScores && r + kRowAhead < R) prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
+    A tv[W ? W : kBlock], acc[W ? W : kBlock];
+    for (int64_t j = 0; j < ww; ++j) {
+      if (kScores) tv[j] = to_acc(tables[r * D + c0 + j]);
+      if (kTables) acc[j] = first ? A(0) : to_acc(g[j]);
+    }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && W == 64) {
+      backward_hits_f32x64<kTables, kScores>(tables + r * D + c0, tok, sc, e0, e1, buf, acc, part);
+    } else
+#endif
+    {
+      for (int64_t e = e0; e < e1; ++e) {
+        const A* y = buf + int64_t(tok[e]) * ww;
+        const A s = sc[e];
+        A dot = 0;
+        if (W) {
+#pragma omp simd reduction(+ : dot)
+          for (int64_t j = 0; j < W; ++j) {
+            if (kTables) acc[j] += s * y[j];
+            if (kScores) dot += y[j] * tv[j];
+          }
+        } else {
+          for (int64_t j = 0; j < w; ++j) {
+            if (kTables) acc[j] += s * y[j];
+            if (kScores) dot += y[j] * tv[j];
+          }
+        }
+        if (kScores) part[e] += dot;
+      }
+    }
+    if (kTables) store_span(g, acc, ww, first);
+  }
+#if defined(__AVX512F__)
+  _mm_sfence();  // order the streaming stores before the gradient is handed on
+#endif
+}
+
+// Column blocks of width kBlock, the last one ragged; threads take whole blocks.
+inline int64_t num_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
+
+template <typename T>
+void lookup_bucketed(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
+                     typename Acc<T>::type* out, int64_t N, int64_t K, int64_t P, int64_t D) {
+  using A = typename Acc<T>::type;
+  const int64_t R = K * P, nb = num_blocks(D);
+  Buckets<A> b;
+  for (int64_t n0 = 0; n0 < N; n0 += kChunk) {
+    const int64_t n = std::min(kChunk, N - n0);
+    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
+    A* o = out + n0 * D;
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<A> buf(n * kBlock);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
+        if (w == kBlock) scatter_block<T, kBlock>(b, tables, buf.data(), n, R, D, c0, w);
+        else scatter_block<T, 0>(b, tables, buf.data(), n, R, D, c0, w);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < w; ++j) o[i * D + c0 + j] = buf[i * w + j] + (bias ? to_acc(bias[c0 + j]) : A(0));
+      }
+    });
+  }
+}
+
+template <typename T, bool kTables, bool kScores>
+void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* rows,
+                              const typename Acc<T>::type* scores, const T* tables, T* grad_tables,
+                              typename Acc<T>::type* grad_scores, int64_t N, int64_t K, int64_t P, int64_t D) {
+  using A = typename Acc<T>::type;
+  const int64_t R = K * P, nb = num_blocks(D);
+  const int threads = std::max(1, at::get_num_threads());
+  Buckets<A> b;
+  std::vector<A> parts;
+  for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += kChunk) {
+    const int64_t n = std::min(kChunk, N - n0);
+    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
+    const A* g = gy + n0 * D;
+    const int64_t L = n * K;
+    if (kScores) parts.assign(size_t(threads) * L, A(0));
+    A* pp = parts.data();
+    const bool first = n0 == 0;
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<A> buf(n * kBlock);
+      A* part = kScores ? pp + int64_t(at::get_thread_num()) * L : nullptr;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
+        for (int64_t i = 0; i < n; ++i) std::memcpy(buf.data() + i * w, g + i * D + c0, sizeof(A) * w);
+        if (w == kBlock)
+          backward_block<T, kBlock, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
+        else
+          backward_block<T, 0, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
+      }
+    });
+    if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup (token, table)
+      A* gs = grad_scores + n0 * K;
+      const int32_t* tok = b.token.data();
+      parallel_tokens(K, L * threads, [=](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t e = k * n; e < (k + 1) * n; ++e) {
+            A v = 0;
+            for (int t = 0; t < threads; ++t) v += pp[int64_t(t) * L + e];
+            gs[int64_t(tok[e]) * K + k] = v;
+          }
+      });
+    }
+    if (N == 0) break;
+  }
+}
+
+#if defined(__AVX512F__)
+// ------------------------------------------------------------------------------------------------ packed forward
+// float32 tables about the size of L3, many tokens: the output is built in column blocks of kPackCols columns for
+// chunks of up to kPackChunk tokens. For each block, the rows of a group of tables restricted to the block are copied
+// ("packed") into a contiguous kPackBytes buffer that stays in L2, and the tokens of the chunk add their lookups into
+// that group from the buffer, kTokens tokens at a time with their sums in registers. The copy exists because a column
+// block of the table is strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only. The copy of the
+// next group is interleaved with the gathers of the current one and prefetched kPackAhead rows ahead, so the table
+// stream from L3 / DRAM overlaps the L2-bound gathers: the table is read once per chunk instead of once per lookup.
+// Between groups the partial sums stay in the output block itself (a compact buffer measured slower: it competes
+// with the packed rows for L2).
+constexpr int64_t kPackCols = 32;           // output columns per block: two zmm accumulators per token
+constexpr int64_t kPackBytes = 256 << 10;   // packed rows per group (two such buffers stay in L2)
+constexpr int64_t kPackAhead = 16;          // rows prefetched ahead of the copy
+constexpr int kTokens = 4;                  // tokens summed at once (2 * kTokens independent accumulators)
+constexpr int64_t kPackChunk = 4096;        // tokens per pass at most (the table is copied once per pass)
+
+// out[n, 0:32] (+)= sum over tables k of group [g0, g0 + gn) of scores[n, k] * pack[rows[n, k] - off], for the TT
+// tokens n .. n + TT - 1 of the chunk; `first` starts from the bias block instead of the partial sums in `out`.
+template <int TT>
+inline void packed_tokens(const int64_t* rows, const float* scores, const float* pack, const float* bias_block,
+                          float* out, int64_t n, int64_t K, int64_t D, int64_t g0, int64_t gn, int64_t off,
+                          bool first) {
+  __m512 a[TT][2];
+  for (int i = 0; i < TT; ++i) {
+    const float* start = first ? bias_block : out + (n + i) * D;
+    a[i][0] = _mm512_loadu_ps(start);
+    a[i][1] = _mm512_loadu_ps(start + 16);
+  }
+  for (int64_t k = 0; k < gn; ++k) {
+#pragma GCC unroll 4
+    for (int i = 0; i < TT; ++i) {
+      const int64_t e = (n + i) * K + g0 + k;
+      const float* t = pack + (rows[e] - off) * kPackCols;
+      const __m512 s = _mm512_set1_ps(scores[e]);
+      a[i][0] = _mm512_fmadd_ps(s, _mm512_load_ps(t), a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(s, _mm512_load_ps(t + 16), a[i][1]);
+    }
+  }
+  for (int i = 0; i < TT; ++i) {
+    _mm512_storeu_ps(out + (n + i) * D, a[i][0]);
+    _mm512_storeu_ps(out + (n + i) * D + 16, a[i][1]);
+  }
+}
+
+// Requires D % kPackCols == 0 (see packed_applies). Threads take whole (chunk, column block) units.
+void lookup_packed(const int64_t* rows, const float* scores, const float* tables, const float* bias, float* out,
+                   int64_t N, int64_t K, int64_t P, int64_t D) {
+  if (N == 0) return;
+  const int64_t G = std::min(K, std::max<int64_t>(1, kPackBytes / (P * kPackCols * int64_t(sizeof(float)))));
+  // Chunks of equal size, at most kPackChunk tokens: a small last chunk would copy the whole table for few tokens.
+  const int64_t nchunk = (N + kPackChunk - 1) / kPackChunk, chunk_size = (N + nchunk - 1) / nchunk;
+  const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols;
+  const int64_t span = G * P * kPackCols;   // floats of one packed group
+  struct Job { int64_t n0, nn, c0, g0, gn; };
+  auto job = [=](int64_t j) {   // job j = (chunk, column block, group of tables), groups innermost
+    const int64_t u = j / ngrp, chunk = u / nblk, g0 = (j % ngrp) * G;
+    return Job{chunk * chunk_size, std::min(chunk_size, N - chunk * chunk_size), (u % nblk) * kPackCols, g0,
+               std::min(G, K - g0)};
+  };
+  // Rows r0 .. r1 - 1 of job b's group, columns c0 .. c0 + 31, into pack (prefetches unrolled: a loop here cost more
+  // than the prefetches saved).
+  auto copy = [=](const Job& b, float* pack, int64_t r0, int64_t r1) {
+    const int64_t nrows = b.gn * P;
+    for (int64_t r = r0; r < std::min(r1, nrows); ++r) {
+      const float* src = tables + (b.g0 * P + r) * D + b.c0;
+      if (r + kPackAhead < nrows) {
+        __builtin_prefetch(src + kPackAhead * D);
+        __builtin_prefetch(src + kPackAhead * D + 16);
+      }
+      _mm512_store_ps(pack + r * kPackCols, _mm512_loadu_ps(src));
+      _mm512_store_ps(pack + r * kPackCols + 16, _mm512_loadu_ps(src + 16));
+    }
+  };
+  parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
+    std::unique_ptr<float, decltype(&std::free)> buffers(
+        static_cast<float*>(std::aligned_alloc(64, 2 * span * sizeof(float))), &std::free);
+    TORCH_CHECK(buffers, "memoryformer_cpu.lookup: out of memory for the packed rows");
+    float* packs[2] = {buffers.get(), buffers.get() + span};
+    const int64_t j0 = u0 * ngrp, j1 = u1 * ngrp;
+    if (j0 < j1) copy(job(j0), packs[j0 & 1], 0, G * P);
+    alignas(64) float bias_block[kPackCols];
+    for (int64_t j = j0; j < j1; ++j) {
+      const Job b = job(j);
+      const bool first = b.g0 == 0;
+      if (first)
+        for (int64_t c = 0; c < kPackCols; ++c) bias_block[c] = bias ? bias[b.c0 + c] : 0.0f;
+      // The next job's rows are copied a slice per step of kTokens tokens, the rest after the last step.
+      const Job next = job(std::min(j + 1, j1 - 1));
+      const int64_t next_rows = j + 1 < j1 ? next.gn * P : 0;
+      const int64_t steps = std::max<int64_t>(1, b.nn / kTokens), per = (next_rows + steps - 1) / steps;
+      const int64_t* r = rows + b.n0 * K;
+      const float* s = scores + b.n0 * K;
+      float* o = out + b.n0 * D + b.c0;
+      int64_t done = 0, n = 0;
+      for (; n + kTokens <= b.nn; n += kTokens) {
+        if (done < next_rows) { copy(next, packs[(j + 1) & 1], done, done + per); done += per; }
+        packed_tokens<kTokens>(r, s, packs[j & 1], bias_block, o, n, K, D, b.g0, b.gn, b.g0 * P, first);
+      }
+      for (; n < b.nn; ++n) packed_tokens<1>(r, s, packs[j & 1], bias_block, o, n, K, D, b.g0, b.gn, b.g0 * P, first);
+      if (done < next_rows) copy(next, packs[(j + 1) & 1], done, next_rows);
+    }
+  });
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------ gradient memory
+// A table gradient is as large as the tables (tens of MB per layer) and freshly allocated by every backward; the
+// first-touch page faults on that memory cost more than the kernel that fills it. Gradients are therefore taken from
+// a pool of 2 MB-aligned blocks advised for transparent huge pages: a block returns to the pool when its tensor is
+// freed (optimizer.zero_grad(set_to_none=True)), and the next backward reuses it with its pages already mapped.
+// The tensor is an ordinary one to its users (autograd steals it into .grad as usual). `release_gradient_pool`
+// frees the idle blocks; MEMORYFORMER_GRAD_POOL_MB caps the pool (default 16384, 0 disables it).
+struct PoolBlock { size_t bytes; void* ptr; bool used; };
+std::mutex pool_mutex;
+std::vector<PoolBlock> pool_blocks;
+
+size_t pool_cap_bytes() {
+  static const size_t cap = [] {
+    const char* v = std::getenv("MEMORYFORMER_GRAD_POOL_MB");
+    return size_t(v ? std::max(0LL, std::atoll(v)) : 16384LL) << 20;
+  }();
+  return cap;
+}
+
+void return_to_pool(void* ptr) {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  for (auto& blk : pool_blocks)
+    if (blk.ptr == ptr) { blk.used = false; return; }
+}
+
+at::Tensor pooled_empty_like(const at::Tensor& t) {
+  const size_t huge = size_t(2) << 20;
+  const size_t bytes = (t.nbytes() + huge - 1) / huge * huge;
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    size_t held = 0;
+    for (auto& blk : pool_blocks) {
+      held += blk.bytes;
+      if (!ptr && !blk.used && blk.bytes == bytes) { blk.used = true; ptr = blk.ptr; }
+    }
+    if (!ptr && held + bytes <= pool_cap_bytes() && bytes > 0) {
+      ptr = std::aligned_alloc(huge, bytes);
+      if (ptr) {
+        advise_huge_pages(ptr, bytes);
+        pool_blocks.push_back({bytes, ptr, true});
+      }
+    }
+  }
+  if (!ptr) {  // pool full or disabled: an ordinary allocation
+    auto out = at::empty_like(t);
+    advise_huge_pages(out.data_ptr(), out.nbytes());
+    return out;
+  }
+  return at::from_blob(ptr, t.sizes(), return_to_pool, t.options());
+}
+
+int64_t release_gradient_pool() {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  int64_t freed = 0;
+  std::vector<PoolBlock> kept;
+  for (auto& blk : pool_blocks) {
+    if (blk.used) { kept.push_back(blk); continue; }
+    std::free(blk.ptr);
+    freed += int64_t(blk.bytes);
+  }
+  pool_blocks.swap(kept);
+  return freed;
+}
+
+// ------------------------------------------------------------------------------------------------ ops
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "memoryformer_cpu: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "memoryformer_cpu: ", name, " must be contiguous");
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+std::tuple<at::Tensor, at::Tensor> hash_op(const at::Tensor& x, int64_t tau, bool l1, double temperature) {
+  check_cpu_contiguous(x, "x");
+  TORCH_CHECK(x.dim() == 2, "memoryformer_cpu.hash: x must be [N, K*tau]");
+  TORCH_CHECK(tau >= 1 && tau <= 16 && x.size(1) % tau == 0, "memoryformer_cpu.hash: bad hash_bits");
+  const int64_t N = x.size(0), K = x.size(1) / tau;
+  auto rows = at::empty({N, K}, x.options().dtype(at::kLong));
+  auto scores = at::empty({N, K}, x.options().dtype(acc_type(x.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "memoryformer_hash", [&] {
+    hash_kernel<scalar_t>(x.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(),
+                          scores.data_ptr<typename Acc<scalar_t>::type>(), N, K, tau, l1, temperature);
+  });
+  return {rows, scores};
+}
+
+at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, int64_t tau, bool l1,
+                            double temperature) {
+  check_cpu_contiguous(x, "x");
+  auto gs = grad_scores.to(acc_type(x.scalar_type())).contiguous();
+  const int64_t N = x.size(0), K = x.size(1) / tau;
+  auto gx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "memoryformer_hash_backward", [&] {
+    hash_backward_kernel<scalar_t>(gs.data_ptr<typename Acc<scalar_t>::type>(), x.data_ptr<scalar_t>(),
+                                   gx.data_ptr<scalar_t>(), N, K, tau, l1, temperature);
+  });
+  return gx;
+}
+
+// Column k of rows must index table k (rows k*P .. k*P + P - 1): anything else would read or write out of bounds.
+// One vectorised pass over all lookups (about 1% of a forward); on failure, the first bad entry is named.
+void check_rows(const at::Tensor& rows, int64_t P) {
+  const int64_t N = rows.size(0), K = rows.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  bool bad = false;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t* rn = r + n * K;
+#pragma omp simd reduction(| : bad)
+    for (int64_t k = 0; k < K; ++k) bad |= static_cast<uint64_t>(rn[k] - k * P) >= static_cast<uint64_t>(P);
+  }
+  for (int64_t e = 0; bad && e < N * K; ++e) {
+    const int64_t k = e % K, row = r[e];
+    TORCH_CHECK(row >= k * P && row < (k + 1) * P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k,
+                " (rows ", k * P, " .. ", k * P + P - 1, "), got ", row);
+  }
+}
+
+// Shapes of every lookup op's operands, and the rows (check_rows): the kernels index the tables with them unchecked.
+void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                       int64_t rows_per_table) {
+  check_cpu_contiguous(rows, "rows");
+  check_cpu_contiguous(tables, "tables");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.lookup: rows must be int64 [N, K]");
+  TORCH_CHECK(tables.dim() == 2, "memoryformer_cpu.lookup: tables must be [R, D]");
+  TORCH_CHECK(rows.size(1) * rows_per_table == tables.size(0), "memoryformer_cpu.lookup: tables do not match rows");
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == rows.size(1),
+              "memoryformer_cpu.lookup: scores must have the shape of rows [N, K]");
+  check_rows(rows, rows_per_table);
+}
+
+// The operands as the kernels take them: scores in the accumulation type, bias (undefined when absent) in the
+// tables' dtype, both contiguous.
+std::pair<at::Tensor, at::Tensor> lookup_operands(const at::Tensor& scores, const at::Tensor& tables,
+                                                  const std::optional<at::Tensor>& bias) {
+  auto s = scores.to(acc_type(tables.scalar_type())).contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
+  return {s, b};
+}
+
+at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const at::Tensor& tables, const at::Tensor& b,
+                            int64_t rows_per_table) {
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  auto out = at::empty({N, D}, tables.options().dtype(acc_type(tables.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bucketed", [&] {
+    using A = typename Acc<scalar_t>::type;
+    lookup_bucketed<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
+                              b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<A>(), N, K,
+                              rows_per_table, D);
+  });
+  return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
+}
+
+// Whether the packed forward can run: float32 tables whose width is whole column blocks, built with AVX-512.
+bool packed_applies(const at::Tensor& tables) {
+#if defined(__AVX512F__)
+  return tables.scalar_type() == at::kFloat && tables.size(1) % kPackCols == 0;
+#else
+  return false;
+#endif
+}
+
+// The forward strategies (see the design notes at the top). "auto" is what `lookup` runs:
+//   up to kSmallBatch tokens (or float64): token-major; tables beyond L3 (>= kBucketedBytes) with >= kBucketedHits
+//   lookups per row: bucketed; float32 tables about the size of L3 (>= kPackedBytes) with >= kPackedHits lookups per
+//   row: packed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel, the
+//   fastest gather we measured for tables well inside L3), run here below autograd, without its backward.
+// The others force one strategy; tests use them to check every branch against an oracle.
+at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                              const std::optional<at::Tensor>& bias, int64_t rows_per_table,
+                              c10::string_view strategy) {
+  check_lookup_args(rows, scores, tables, rows_per_table);
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1), P = rows_per_table;
+  std::string how(strategy);
+  TORCH_CHECK(how == "auto" || how == "token" || how == "embedding_bag" || how == "bucketed" || how == "packed",
+              "memoryformer_cpu.lookup_strategy: unknown strategy '", how,
+              "' (use auto, token, embedding_bag, bucketed or packed)");
+  if (how == "auto") {
+    const int64_t bytes = tables.nbytes();
+    if (N <= kSmallBatch || tables.scalar_type() == at::kDouble) how = "token";
+    else if (bytes >= kBucketedBytes && N >= kBucketedHits * P) how = "bucketed";
+    else if (packed_applies(tables) && bytes >= kPackedBytes && N >= kPackedHits * P) how = "packed";
+    else how = "embedding_bag";
+  }
+  TORCH_CHECK(how != "packed" || packed_applies(tables), "memoryformer_cpu.lookup_strategy: 'packed' needs float32 "
+              "tables with a width that is a multiple of ", kPackCols, " and a build with AVX-512");
+  TORCH_CHECK(how != "embedding_bag" || tables.scalar_type() != at::kDouble,
+              "memoryformer_cpu.lookup_strategy: 'embedding_bag' does not take float64 tables");
+  at::Tensor s, b;
+  std::tie(s, b) = lookup_operands(scores, tables, bias);
+  if (how == "bucketed") return bucketed_forward(rows, s, tables, b, P);
+  if (how == "embedding_bag") {
+    auto offsets = at::arange(0, N * K, K, rows.options());
+    auto weights = s.to(tables.scalar_type()).reshape({-1});
+    auto bag = std::get<0>(at::embedding_bag(tables, rows.reshape({-1}), offsets, /*scale_grad_by_freq=*/false,
+                                             /*mode=sum*/ 0, /*sparse=*/false, weights));
+    return b.defined() ? bag.add_(b) : bag;
+  }
+  auto out = at::empty({N, D}, tables.options());
+#if defined(__AVX512F__)
+  if (how == "packed") {
+    lookup_packed(rows.data_ptr<int64_t>(), s.data_ptr<float>(), tables.data_ptr<float>(),
+                  b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, K, P, D);
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
+    using A = typename Acc<scalar_t>::type;
+    lookup_kernel<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
+                            b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N, K, D);
+  });
+  return out;
+}
+
+at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
+                     const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+  return lookup_strategy_op(rows, scores, tables, bias, rows_per_table, "auto");
+}
+
+std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out, const at::Tensor& rows,
+                                                      const at::Tensor& scores, const at::Tensor& tables,
+                                                      int64_t rows_per_table, bool need_tables, bool need_scores) {
+  check_lookup_args(rows, scores, tables, rows_per_table);
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
+              "memoryformer_cpu.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "]");
+  const auto acc = acc_type(tables.scalar_type());
+  auto gy = grad_out.to(acc).contiguous();
+  auto s = lookup_operands(scores, tables, std::nullopt).first;
+  at::Tensor gscores, gtables;
+  if (need_scores) gscores = at::empty({N, K}, tables.options().dtype(acc));
+  if (need_tables) gtables = pooled_empty_like(tables);
+  const int64_t P = rows_per_table;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bwd", [&] {
+    using A = typename Acc<scalar_t>::type;
+    const A* g = gy.data_ptr<A>();
+    const int64_t* r = rows.data_ptr<int64_t>();
+    const A* sc = s.data_ptr<A>();
+    const scalar_t* t = tables.data_ptr<scalar_t>();
+    if (need_tables && need_scores)
+      lookup_backward_bucketed<scalar_t, true, true>(g, r, sc, t, gtables.data_ptr<scalar_t>(), gscores.data_ptr<A>(),
+                                                     N, K, P, D);
+    else if (need_tables)
+      lookup_backward_bucketed<scalar_t, true, false>(g, r, sc, t, gtables.data_ptr<scalar_t>(), nullptr, N, K, P, D);
+    else if (need_scores)
+      lookup_backward_bucketed<scalar_t, false, true>(g, r, sc, t, nullptr, gscores.data_ptr<A>(), N, K, P, D);
+  });
+  return {gscores, gtables};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(memoryformer_cpu, m) {
+  m.def("hash(Tensor x, int hash_bits, bool l1, float temperature) -> (Tensor, Tensor)");
+  m.def("hash_backward(Tensor grad_scores, Tensor x, int hash_bits, bool l1, float temperature) -> Tensor");
+  m.def("lookup(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
+  m.def("lookup_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
+        "bool need_tables, bool need_scores) -> (Tensor, Tensor)");
+  m.def("lookup_strategy(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table, str strategy) "
+        "-> Tensor");
+  m.def("release_gradient_pool() -> int", &release_gradient_pool);
+}
+
+TORCH_LIBRARY_IMPL(memoryformer_cpu, CPU, m) {
+  m.impl("hash", &hash_op);
+  m.impl("hash_backward", &hash_backward_op);
+  m.impl("lookup", &lookup_op);
+  m.impl("lookup_strategy", &lookup_strategy_op);
+  m.impl("lookup_backward", &lookup_backward_op);
+}

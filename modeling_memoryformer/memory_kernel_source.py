@@ -7,9 +7,9 @@ Its first line is a #line directive, so compiler errors name the .cpp file and i
 """
 
 CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
-// Fused CPU kernels of the MemoryFormer Memory Layer (PyTorch extension, namespace memoryformer_cpu).
+// Fused CPU kernels of the MemoryFormer Memory Layer, a PyTorch extension.
 //
-// Operators (namespace `memoryformer_cpu`), all on contiguous CPU tensors:
+// Operators (namespace MEMORYFORMER_OPS, default `memoryformer_cpu`), all on contiguous CPU tensors:
 // - hash(x[N, K*tau], tau, l1, t) -> (rows int64 [N, K], scores [N, K])
 //       rows = k * 2**tau + h(z_k); scores = p(z_k) (paper) or ||z_k||_1 * p(z_k) (l1), in float32 (float64 for
 //       float64 x). p = 1 / prod_i (1 + exp(-2|z_i|/t)) is computed as a product: each factor lies in (1, 2], so the
@@ -22,41 +22,74 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 //       grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>; grad_tables[r] = sum_{(n,k): rows[n,k]=r} scores * grad_y[n]
 // - hash_backward(grad_scores, x, tau, l1, t) -> grad_x through the score derivative (codes are piecewise constant).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
+// - isa() -> the vector layer compiled in ("AVX512", "AVX2", "NEON", "DEFAULT");
+//   machine_info() -> [L1d, L2, L3 bytes, threads, vector bytes] as the strategy choice sees them;
+//   set_cache_sizes(l1, l2, l3) overrides the detected caches (0, 0, 0: detect again);
+//   plan(N, K, P, D, dtype, backward) -> the strategy "auto" picks for that shape here.
 //
-// Design (measured on a 2-core AMD EPYC, see benchmarks/): the row gather is bounded by cache/TLB misses on tables
-// far larger than L2, not by FLOPs.
+// Portability: every strategy is written once. Vector code uses ATen's at::vec::Vectorized<float> (AVX-512, AVX2,
+// NEON, or a plain array the compiler vectorises), the rest plain loops under `#pragma omp simd`. Register blocking
+// follows the target's vector width and register count; block sizes, chunk lengths and the size thresholds between
+// strategies follow the running machine's caches (sysconf, then sysfs, then a fallback) and the thread count.
+// The only intrinsics left are the non-temporal store and its fence (SSE2 / AVX / AVX-512 forms of one plain store).
+//
+// Design: the row gather is bounded by cache/TLB misses on tables far larger than L2, not by FLOPs.
 // Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the
-// rows 16 lookups ahead. Beyond that, for tables well inside L3, PyTorch's embedding_bag (FBGEMM's JIT kernel), which
-// measured fastest there, called below autograd. For float32 tables about the size of L3 (24-48 MB) with >= 8 lookups
-// per row, the packed pass: per 32-column block, the rows of the next group of tables are copied into a contiguous
-// L2-resident buffer while the current group serves every token, four tokens at a time in registers (the table is read
-// once per chunk of up to 4096 tokens instead of once per lookup; 2.1 vs 2.4 ms at d = 512, N = 2048). For tables
-// beyond L3 (>= 48 MB) with >= 4 lookups per row, the bucketed pass: lookups are grouped by row (a counting sort per
-// table), the output is built in 64-column blocks of up to 2048 tokens held in a compact L2-resident buffer, and the
-// table is streamed once, each hit row loaded once and applied to all its tokens (faster than the packed pass there).
+// rows 16 lookups ahead. Beyond that, for tables well inside the last-level cache (LLC), PyTorch's embedding_bag
+// (FBGEMM's JIT kernel), called below autograd. For float32 tables of 3/4 to 3/2 of the LLC with >= 8 lookups per
+// row, the packed pass: per 32-column block, the rows of the next group of tables are copied into a contiguous buffer
+// of a quarter of L2 while the current group serves every token, several tokens at a time in registers (the table is
+// read once per chunk of tokens instead of once per lookup). For tables beyond 3/2 of the LLC with >= 4 lookups per
+// row, the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column
+// blocks of a chunk of tokens held in a compact buffer of half of L2, and the table is streamed once, each hit row
+// loaded once and applied to all its tokens. Packed and bucketed need as many column blocks as threads.
 // Backward: always bucketed, in one pass over the table rows per column block: the block of grad_y sits in L2, each
 // row's table gradient is accumulated in registers and written once by one thread (no atomics, no read-modify-write
 // of the large gradient; rows nobody hit are written as zeros), and the score gradients are the inner products of the
 // same row with the same grad_y spans, summed over the column blocks.
 // Gradient memory: table gradients come from a pool of huge-page-advised blocks that are reused once their tensor is
+// freed, because first-touch page faults on a fresh tens-of-MB gradient cost more than the kernel that fills it.
 
+// The vector layer: at::vec picks its implementation from these macros, which PyTorch's own build sets per
+// compilation unit. They follow the compiler's target here (-march), so one source serves every CPU.
+// CPU_CAPABILITY itself stays undefined: our instantiations live in a namespace of their own, apart from libtorch's.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#define MEMORYFORMER_ISA "AVX512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CPU_CAPABILITY_AVX2
+#define MEMORYFORMER_ISA "AVX2"
+#elif defined(__aarch64__)
+#define MEMORYFORMER_ISA "NEON"
+#else
+#define MEMORYFORMER_ISA "DEFAULT"
+#endif
+
+#ifndef MEMORYFORMER_OPS
+#define MEMORYFORMER_OPS memoryformer_cpu   // the op namespace; test builds for other targets set their own
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <sys/mman.h>
-#if defined(__AVX512F__)
+#include <unistd.h>
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,14 +100,110 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 
 namespace {
 
-constexpr int64_t kCols = 256;             // output columns accumulated in registers per pass over a token's rows
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = fVec::size();   // floats per vector register of the target
+#if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
+constexpr int kVecRegs = 32;   // architectural vector registers
+#else
+constexpr int kVecRegs = 16;
+#endif
+
+constexpr int64_t kCols = 256;             // output columns accumulated per pass over a token's rows
 constexpr int64_t kAhead = 16;             // table rows prefetched this many lookups ahead
 constexpr int64_t kSerialWork = 1 << 18;   // below this many multiply-adds, one thread
 constexpr int64_t kSmallBatch = 64;        // up to this many tokens the forward uses our own gather kernel
-constexpr int64_t kBucketedBytes = 48 << 20;  // tables at least this large (beyond L3) ...
-constexpr int64_t kBucketedHits = 4;          // ... and at least this many lookups per row: bucketed forward
-constexpr int64_t kPackedBytes = 24 << 20;    // float32 tables from this large (about L3) up to kBucketedBytes ...
-constexpr int64_t kPackedHits = 8;            // ... and at least this many lookups per row: packed forward
+constexpr int64_t kBucketedHits = 4;       // lookups per row from which the bucketed forward can pay off
+constexpr int64_t kPackedHits = 8;         // lookups per row from which the packed forward can pay off
+constexpr int64_t kBlock = 64;             // columns per block of the bucketed passes
+constexpr int64_t kPackCols = 32;          // columns per block of the packed pass
+
+// ------------------------------------------------------------------------------------------------ the machine
+// Cache sizes: the kernel's sysfs view, else sysconf, else a conservative fallback. sysfs comes first because glibc's
+// sysconf can be far off in a VM (a 2-core AMD EPYC guest: L3 320 MB from sysconf, 32 MB in sysfs and lscpu).
+// L2 is per core; L3 is the last-level cache as reported (0 where there is none: L2 then plays its part).
+struct Caches { int64_t l1, l2, l3; };
+
+int64_t parse_size(const std::string& s) {   // sysfs writes "48K", "2048K", "32M"
+  if (s.empty()) return 0;
+  int64_t v = std::atoll(s.c_str());
+  const char unit = s.back() == '\n' && s.size() > 1 ? s[s.size() - 2] : s.back();
+  if (unit == 'K') v <<= 10;
+  else if (unit == 'M') v <<= 20;
+  else if (unit == 'G') v <<= 30;
+  return v;
+}
+
+int64_t sysfs_cache(int level) {
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream lv(dir + "level"), ty(dir + "type"), sz(dir + "size");
+    if (!lv) break;
+    int l = 0;
+    std::string type, size;
+    lv >> l;
+    ty >> type;
+    sz >> size;
+    if (l == level && type != "Instruction") return parse_size(size);
+  }
+  return 0;
+}
+
+int64_t cache_size(int level) {
+  const int64_t from_sysfs = sysfs_cache(level);
+  if (from_sysfs > 0) return from_sysfs;
+  long v = 0;
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE) && defined(_SC_LEVEL3_CACHE_SIZE)
+  v = sysconf(level == 1 ? _SC_LEVEL1_DCACHE_SIZE : level == 2 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
+#endif
+  return v > 0 ? int64_t(v) : 0;
+}
+
+Caches detect_caches() {
+  Caches c{cache_size(1), cache_size(2), cache_size(3)};
+  if (c.l1 <= 0) c.l1 = 32 << 10;
+  if (c.l2 <= 0) c.l2 = 256 << 10;   // fallback: the smallest L2 of current server cores
+  if (c.l3 < 0) c.l3 = 0;
+  return c;
+}
+
+std::atomic<int64_t> override_l1{0}, override_l2{0}, override_l3{-1};   // set_cache_sizes; l3 -1: not overridden
+
+Caches caches() {
+  static const Caches detected = detect_caches();
+  Caches c = detected;
+  if (override_l1.load() > 0) c.l1 = override_l1.load();
+  if (override_l2.load() > 0) c.l2 = override_l2.load();
+  if (override_l3.load() >= 0) c.l3 = override_l3.load();
+  return c;
+}
+
+// The sizes the strategies use, derived from the caches (the ratios were measured on a 1 MB-L2, 32 MB-L3 machine,
+// where they give a 256 KB packed group, 4096-token packed chunks and 2048-token bucketed chunks).
+struct Tuning {
+  int64_t llc;             // last-level cache: L3, or L2 without one
+  int64_t packed_min;      // packed forward from this table size (3/4 of the LLC) ...
+  int64_t bucketed_min;    // ... bucketed forward from this one (3/2 of the LLC: beyond what the cache holds)
+  int64_t pack_group;      // bytes of one packed group (a quarter of L2: two groups and the output block fit)
+  int64_t pack_chunk;      // tokens per packed pass (their output block of kPackCols columns is half of L2)
+  int64_t bucket_bytes;    // bytes of a bucketed chunk's compact column block (half of L2)
+};
+
+Tuning tuning() {
+  const Caches c = caches();
+  Tuning t;
+  t.llc = c.l3 > 0 ? c.l3 : c.l2;
+  t.packed_min = t.llc / 4 * 3;
+  t.bucketed_min = t.llc / 2 * 3;
+  t.pack_group = std::max<int64_t>(16 << 10, c.l2 / 4);
+  t.pack_chunk = std::max<int64_t>(256, c.l2 / 2 / (kPackCols * int64_t(sizeof(float))));
+  t.bucket_bytes = std::max<int64_t>(64 << 10, c.l2 / 2);
+  return t;
+}
+
+// Tokens per bucketed chunk: the compact [chunk, kBlock] block in the accumulation type fills bucket_bytes.
+template <typename A> int64_t bucket_chunk(const Tuning& t) {
+  return std::min<int64_t>(1 << 20, std::max<int64_t>(256, t.bucket_bytes / (kBlock * int64_t(sizeof(A)))));
+}
 
 // exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
 // so that the compiler vectorises loops that call it.
@@ -125,6 +254,26 @@ template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
 template <typename T> inline void prefetch_span(const T* p, int64_t w) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < int64_t(w * sizeof(T)); b += 64) __builtin_prefetch(c + b);
+}
+
+// Non-temporal store of float spans (no read-for-ownership, no eviction of what sits in L2): the widest form the
+// target has, the plain store elsewhere. Same values either way; `g` is 64-byte aligned and w a multiple of 16.
+inline void stream_floats(float* g, const float* v, int64_t w) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < w; j += 16) _mm512_stream_ps(g + j, _mm512_loadu_ps(v + j));
+#elif defined(__AVX__)
+  for (int64_t j = 0; j < w; j += 8) _mm256_stream_ps(g + j, _mm256_loadu_ps(v + j));
+#elif defined(__SSE2__)
+  for (int64_t j = 0; j < w; j += 4) _mm_stream_ps(g + j, _mm_loadu_ps(v + j));
+#else
+  std::memcpy(g, v, sizeof(float) * w);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();   // order the streaming stores before the gradient is handed on
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------ hashing
@@ -253,14 +402,12 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
 
 // ------------------------------------------------------------------------------------------------ bucketed passes
 // For many tokens the lookups are grouped by table row (a counting sort per table: each table holds every token
-// exactly once), and the work is split by column blocks of kBlock columns. One column block of all tokens
-// (at most kChunk tokens x kBlock floats = 512 KB) lives in a contiguous buffer that stays in L2, while the rows of
-// the table are streamed once, in order, each hit row loaded into registers once and applied to all of its tokens.
-// The table is then read once per call instead of once per lookup (N / 2**tau times), and the random accesses go to
-// L2 instead of L3 / DRAM. The buffer is compact because a strided column block of a [N, D] matrix with D*4 a
-// multiple of 2 KB maps onto a few cache sets only.
-constexpr int64_t kBlock = 64;     // columns per block
-constexpr int64_t kChunk = 2048;   // tokens per pass (kChunk * kBlock floats in the buffer)
+// exactly once), and the work is split by column blocks of kBlock columns. One column block of a chunk of tokens
+// (half of L2, see Tuning) lives in a contiguous buffer that stays in L2, while the rows of the table are streamed
+// once, in order, each hit row loaded into registers once and applied to all of its tokens. The table is then read
+// once per chunk instead of once per lookup (N / 2**tau times), and the random accesses go to L2 instead of L3 /
+// DRAM. The buffer is compact because a strided column block of a [N, D] matrix with D*4 a multiple of 2 KB maps
+// onto a few cache sets only.
 constexpr int64_t kRowAhead = 12;  // table rows prefetched ahead in the stream
 
 template <typename A> struct Buckets {
@@ -295,55 +442,55 @@ void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, 
   st[K * P] = n * K;
 }
 
-#if defined(__AVX512F__)
-// float32 blocks of 64 columns with the row and the accumulators held in four zmm registers (the compiler does not
-// keep the generic loops' arrays in registers across the hit loop).
-inline void scatter_hits_f32x64(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
-                                float* buf) {
-  const __m512 t0 = _mm512_loadu_ps(t), t1 = _mm512_loadu_ps(t + 16), t2 = _mm512_loadu_ps(t + 32),
-               t3 = _mm512_loadu_ps(t + 48);
+// float32, W = kBlock columns: the row and the accumulators are vectors that the compiler keeps in registers across
+// the hit loop (it does not do so for the generic loops' arrays). kBlock / kLanes vectors each: 4 with AVX-512,
+// 8 with AVX2, 16 with NEON.
+constexpr int64_t kBlockVecs = kBlock / kLanes;
+static_assert(kBlock % kLanes == 0, "a column block is whole vectors");
+
+inline void scatter_hits_f32(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                             float* buf) {
+  fVec tv[kBlockVecs];
+#pragma GCC unroll 16
+  for (int64_t v = 0; v < kBlockVecs; ++v) tv[v] = fVec::loadu(t + v * kLanes);
   for (int64_t e = e0; e < e1; ++e) {
-    float* y = buf + int64_t(tok[e]) * 64;
-    const __m512 s = _mm512_set1_ps(sc[e]);
-    _mm512_storeu_ps(y, _mm512_fmadd_ps(s, t0, _mm512_loadu_ps(y)));
-    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(s, t1, _mm512_loadu_ps(y + 16)));
-    _mm512_storeu_ps(y + 32, _mm512_fmadd_ps(s, t2, _mm512_loadu_ps(y + 32)));
-    _mm512_storeu_ps(y + 48, _mm512_fmadd_ps(s, t3, _mm512_loadu_ps(y + 48)));
+    float* y = buf + int64_t(tok[e]) * kBlock;
+    const fVec s(sc[e]);
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kBlockVecs; ++v)
+      at::vec::fmadd(s, tv[v], fVec::loadu(y + v * kLanes)).store(y + v * kLanes);
   }
 }
 
 template <bool kTables, bool kScores>
-inline void backward_hits_f32x64(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
-                                 const float* buf, float* acc, float* part) {
-  __m512 t0, t1, t2, t3, a0, a1, a2, a3;
-  if (kScores) {
-    t0 = _mm512_loadu_ps(t); t1 = _mm512_loadu_ps(t + 16); t2 = _mm512_loadu_ps(t + 32); t3 = _mm512_loadu_ps(t + 48);
-  }
-  if (kTables) {
-    a0 = _mm512_loadu_ps(acc); a1 = _mm512_loadu_ps(acc + 16); a2 = _mm512_loadu_ps(acc + 32);
-    a3 = _mm512_loadu_ps(acc + 48);
+inline void backward_hits_f32(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                              const float* buf, float* acc, float* part) {
+  fVec tv[kBlockVecs], a[kBlockVecs];
+#pragma GCC unroll 16
+  for (int64_t v = 0; v < kBlockVecs; ++v) {
+    if (kScores) tv[v] = fVec::loadu(t + v * kLanes);
+    if (kTables) a[v] = fVec::loadu(acc + v * kLanes);
   }
   for (int64_t e = e0; e < e1; ++e) {
-    const float* y = buf + int64_t(tok[e]) * 64;
-    const __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16), y2 = _mm512_loadu_ps(y + 32),
-                 y3 = _mm512_loadu_ps(y + 48);
-    if (kTables) {
-      const __m512 s = _mm512_set1_ps(sc[e]);
-      a0 = _mm512_fmadd_ps(s, y0, a0); a1 = _mm512_fmadd_ps(s, y1, a1);
-      a2 = _mm512_fmadd_ps(s, y2, a2); a3 = _mm512_fmadd_ps(s, y3, a3);
+    const float* y = buf + int64_t(tok[e]) * kBlock;
+    const fVec s(sc[e]);
+    fVec d0(0.0f), d1(0.0f);   // two partial dot products: half the dependency chain
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kBlockVecs; ++v) {
+      const fVec yv = fVec::loadu(y + v * kLanes);
+      if (kTables) a[v] = at::vec::fmadd(s, yv, a[v]);
+      if (kScores) {
+        if (v % 2 == 0) d0 = at::vec::fmadd(yv, tv[v], d0);
+        else d1 = at::vec::fmadd(yv, tv[v], d1);
+      }
     }
-    if (kScores) {
-      const __m512 d = _mm512_add_ps(_mm512_fmadd_ps(y1, t1, _mm512_mul_ps(y0, t0)),
-                                     _mm512_fmadd_ps(y3, t3, _mm512_mul_ps(y2, t2)));
-      part[e] += _mm512_reduce_add_ps(d);
-    }
+    if (kScores) part[e] += at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& z) { return x + z; }, d0 + d1);
   }
   if (kTables) {
-    _mm512_storeu_ps(acc, a0); _mm512_storeu_ps(acc + 16, a1); _mm512_storeu_ps(acc + 32, a2);
-    _mm512_storeu_ps(acc + 48, a3);
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kBlockVecs; ++v) a[v].store(acc + v * kLanes);
   }
 }
-#endif
 
 // Forward of one column block [c0, c0 + W) for the tokens of one chunk: buf[i, :] = sum over the chunk's lookups
 // (i, k) of scores * tables[row, c0:c0+W]. W is kBlock (vectorised, unrolled) or the ragged last block.
@@ -362,38 +509,34 @@ void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typ
     const int64_t e0 = st[r], e1 = st[r + 1];
     if (e0 == e1) continue;
     const T* t = tables + r * D + c0;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same<T, float>::value && W == 64) {
-      scatter_hits_f32x64(t, tok, sc, e0, e1, buf);
-      continue;
-    }
-#endif
-    A tv[W ? W : kBlock];
-    for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
-    for (int64_t e = e0; e < e1; ++e) {
-      A* y = buf + int64_t(tok[e]) * ww;
-      const A s = sc[e];
-      if (W) {
+    if constexpr (std::is_same<T, float>::value && W == kBlock) {
+      scatter_hits_f32(t, tok, sc, e0, e1, buf);
+    } else {
+      A tv[W ? W : kBlock];
+      for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
+      for (int64_t e = e0; e < e1; ++e) {
+        A* y = buf + int64_t(tok[e]) * ww;
+        const A s = sc[e];
+        if (W) {
 #pragma omp simd
-        for (int64_t j = 0; j < W; ++j) y[j] += s * tv[j];
-      } else {
-        for (int64_t j = 0; j < w; ++j) y[j] += s * tv[j];
+          for (int64_t j = 0; j < W; ++j) y[j] += s * tv[j];
+        } else {
+          for (int64_t j = 0; j < w; ++j) y[j] += s * tv[j];
+        }
       }
     }
   }
 }
 
-// Store a finished gradient span that nothing will read soon: non-temporal (no read-for-ownership of the line, no
-// eviction of the L2-resident buffer) where the span is float32, 64-byte aligned whole lines.
+// Store a finished gradient span that nothing will read soon: non-temporal where the span is float32, 64-byte
+// aligned whole lines (stream_floats), a plain converting store otherwise.
 template <typename T, typename A> inline void store_span(T* g, const A* v, int64_t w, bool stream) {
-#if defined(__AVX512F__)
   if constexpr (std::is_same<T, float>::value && std::is_same<A, float>::value) {
     if (stream && w % 16 == 0 && (reinterpret_cast<uintptr_t>(g) & 63) == 0) {
-      for (int64_t j = 0; j < w; j += 16) _mm512_stream_ps(g + j, _mm512_loadu_ps(v + j));
+      stream_floats(g, v, w);
       return;
     }
   }
-#endif
   for (int64_t j = 0; j < w; ++j) g[j] = static_cast<T>(v[j]);
 }
 
@@ -410,7 +553,7 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
   const int64_t* st = b.start.data();
   const int32_t* tok = b.token.data();
   const A* sc = b.score.data();
-  A zeros[kBlock] = {};
+  alignas(64) A zeros[kBlock] = {};
   for (int64_t r = 0; r < R; ++r) {
     const int64_t e0 = st[r], e1 = st[r + 1];
     T* g = kTables ? grad_tables + r * D + c0 : nullptr;
@@ -419,17 +562,14 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
       continue;
     }
     if (kScores && r + kRowAhead < R) prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
-    A tv[W ? W : kBlock], acc[W ? W : kBlock];
+    alignas(64) A tv[W ? W : kBlock], acc[W ? W : kBlock];
     for (int64_t j = 0; j < ww; ++j) {
       if (kScores) tv[j] = to_acc(tables[r * D + c0 + j]);
       if (kTables) acc[j] = first ? A(0) : to_acc(g[j]);
     }
-#if defined(__AVX512F__)
-    if constexpr (std::is_same<T, float>::value && W == 64) {
-      backward_hits_f32x64<kTables, kScores>(tables + r * D + c0, tok, sc, e0, e1, buf, acc, part);
-    } else
-#endif
-    {
+    if constexpr (std::is_same<T, float>::value && W == kBlock) {
+      backward_hits_f32<kTables, kScores>(tables + r * D + c0, tok, sc, e0, e1, buf, acc, part);
+    } else {
       for (int64_t e = e0; e < e1; ++e) {
         const A* y = buf + int64_t(tok[e]) * ww;
         const A s = sc[e];
@@ -451,9 +591,7 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
     }
     if (kTables) store_span(g, acc, ww, first);
   }
-#if defined(__AVX512F__)
-  _mm_sfence();  // order the streaming stores before the gradient is handed on
-#endif
+  stream_fence();
 }
 
 // Column blocks of width kBlock, the last one ragged; threads take whole blocks.
@@ -463,10 +601,10 @@ template <typename T>
 void lookup_bucketed(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
                      typename Acc<T>::type* out, int64_t N, int64_t K, int64_t P, int64_t D) {
   using A = typename Acc<T>::type;
-  const int64_t R = K * P, nb = num_blocks(D);
+  const int64_t R = K * P, nb = num_blocks(D), chunk = bucket_chunk<A>(tuning());
   Buckets<A> b;
-  for (int64_t n0 = 0; n0 < N; n0 += kChunk) {
-    const int64_t n = std::min(kChunk, N - n0);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t n = std::min(chunk, N - n0);
     bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
     A* o = out + n0 * D;
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
@@ -487,12 +625,12 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
                               const typename Acc<T>::type* scores, const T* tables, T* grad_tables,
                               typename Acc<T>::type* grad_scores, int64_t N, int64_t K, int64_t P, int64_t D) {
   using A = typename Acc<T>::type;
-  const int64_t R = K * P, nb = num_blocks(D);
+  const int64_t R = K * P, nb = num_blocks(D), chunk = bucket_chunk<A>(tuning());
   const int threads = std::max(1, at::get_num_threads());
   Buckets<A> b;
   std::vector<A> parts;
-  for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += kChunk) {
-    const int64_t n = std::min(kChunk, N - n0);
+  for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += chunk) {
+    const int64_t n = std::min(chunk, N - n0);
     bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
     const A* g = gy + n0 * D;
     const int64_t L = n * K;
@@ -527,58 +665,63 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
   }
 }
 
-#if defined(__AVX512F__)
 // ------------------------------------------------------------------------------------------------ packed forward
-// float32 tables about the size of L3, many tokens: the output is built in column blocks of kPackCols columns for
-// chunks of up to kPackChunk tokens. For each block, the rows of a group of tables restricted to the block are copied
-// ("packed") into a contiguous kPackBytes buffer that stays in L2, and the tokens of the chunk add their lookups into
-// that group from the buffer, kTokens tokens at a time with their sums in registers. The copy exists because a column
-// block of the table is strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only. The copy of the
-// next group is interleaved with the gathers of the current one and prefetched kPackAhead rows ahead, so the table
-// stream from L3 / DRAM overlaps the L2-bound gathers: the table is read once per chunk instead of once per lookup.
-// Between groups the partial sums stay in the output block itself (a compact buffer measured slower: it competes
-// with the packed rows for L2).
-constexpr int64_t kPackCols = 32;           // output columns per block: two zmm accumulators per token
-constexpr int64_t kPackBytes = 256 << 10;   // packed rows per group (two such buffers stay in L2)
-constexpr int64_t kPackAhead = 16;          // rows prefetched ahead of the copy
-constexpr int kTokens = 4;                  // tokens summed at once (2 * kTokens independent accumulators)
-constexpr int64_t kPackChunk = 4096;        // tokens per pass at most (the table is copied once per pass)
+// float32 tables about the size of the LLC, many tokens: the output is built in column blocks of kPackCols columns
+// for chunks of tokens. For each block, the rows of a group of tables restricted to the block are copied ("packed")
+// into a contiguous buffer (a quarter of L2) and the tokens of the chunk add their lookups into that group from the
+// buffer, kTokens tokens at a time with their sums in registers. The copy exists because a column block of the table
+// is strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only. The copy of the next group is
+// interleaved with the gathers of the current one and prefetched kPackAhead rows ahead, so the table stream from
+// L3 / DRAM overlaps the L2-bound gathers: the table is read once per chunk instead of once per lookup. Between
+// groups the partial sums stay in the output block itself (a compact buffer measured slower: it competes with the
+// packed rows for L2).
+constexpr int64_t kPackVecs = kPackCols / kLanes;   // vectors per packed row: 2 (AVX-512), 4 (AVX2), 8 (NEON)
+static_assert(kPackCols % kLanes == 0, "a packed row is whole vectors");
+// Tokens summed at once: half the vector registers hold accumulators (kTokens * kPackVecs), at most 4 tokens.
+constexpr int kTokens = int(std::max<int64_t>(1, std::min<int64_t>(4, kVecRegs / 2 / kPackVecs)));
+constexpr int64_t kPackAhead = 16;   // rows prefetched ahead of the copy
 
-// out[n, 0:32] (+)= sum over tables k of group [g0, g0 + gn) of scores[n, k] * pack[rows[n, k] - off], for the TT
-// tokens n .. n + TT - 1 of the chunk; `first` starts from the bias block instead of the partial sums in `out`.
+// out[n, 0:kPackCols] (+)= sum over tables k of group [g0, g0 + gn) of scores[n, k] * pack[rows[n, k] - off], for
+// the TT tokens n .. n + TT - 1 of the chunk; `first` starts from the bias block instead of the partial sums in `out`.
 template <int TT>
 inline void packed_tokens(const int64_t* rows, const float* scores, const float* pack, const float* bias_block,
                           float* out, int64_t n, int64_t K, int64_t D, int64_t g0, int64_t gn, int64_t off,
                           bool first) {
-  __m512 a[TT][2];
+  fVec a[TT][kPackVecs];
+#pragma GCC unroll 4
   for (int i = 0; i < TT; ++i) {
     const float* start = first ? bias_block : out + (n + i) * D;
-    a[i][0] = _mm512_loadu_ps(start);
-    a[i][1] = _mm512_loadu_ps(start + 16);
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = fVec::loadu(start + v * kLanes);
   }
   for (int64_t k = 0; k < gn; ++k) {
 #pragma GCC unroll 4
     for (int i = 0; i < TT; ++i) {
       const int64_t e = (n + i) * K + g0 + k;
       const float* t = pack + (rows[e] - off) * kPackCols;
-      const __m512 s = _mm512_set1_ps(scores[e]);
-      a[i][0] = _mm512_fmadd_ps(s, _mm512_load_ps(t), a[i][0]);
-      a[i][1] = _mm512_fmadd_ps(s, _mm512_load_ps(t + 16), a[i][1]);
+      const fVec s(scores[e]);
+#pragma GCC unroll 8
+      for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = at::vec::fmadd(s, fVec::loadu(t + v * kLanes), a[i][v]);
     }
   }
+#pragma GCC unroll 4
   for (int i = 0; i < TT; ++i) {
-    _mm512_storeu_ps(out + (n + i) * D, a[i][0]);
-    _mm512_storeu_ps(out + (n + i) * D + 16, a[i][1]);
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < kPackVecs; ++v) a[i][v].store(out + (n + i) * D + v * kLanes);
   }
 }
 
-// Requires D % kPackCols == 0 (see packed_applies). Threads take whole (chunk, column block) units.
+// Whether the packed forward can run: float32 tables whose width is whole column blocks.
+bool packed_applies(at::ScalarType dtype, int64_t D) { return dtype == at::kFloat && D % kPackCols == 0; }
+
+// Threads take whole (chunk, column block) units.
 void lookup_packed(const int64_t* rows, const float* scores, const float* tables, const float* bias, float* out,
                    int64_t N, int64_t K, int64_t P, int64_t D) {
   if (N == 0) return;
-  const int64_t G = std::min(K, std::max<int64_t>(1, kPackBytes / (P * kPackCols * int64_t(sizeof(float)))));
-  // Chunks of equal size, at most kPackChunk tokens: a small last chunk would copy the whole table for few tokens.
-  const int64_t nchunk = (N + kPackChunk - 1) / kPackChunk, chunk_size = (N + nchunk - 1) / nchunk;
+  const Tuning tu = tuning();
+  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * kPackCols * int64_t(sizeof(float)))));
+  // Chunks of equal size, at most pack_chunk tokens: a small last chunk would copy the whole table for few tokens.
+  const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
   const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols;
   const int64_t span = G * P * kPackCols;   // floats of one packed group
   struct Job { int64_t n0, nn, c0, g0, gn; };
@@ -587,8 +730,8 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
     return Job{chunk * chunk_size, std::min(chunk_size, N - chunk * chunk_size), (u % nblk) * kPackCols, g0,
                std::min(G, K - g0)};
   };
-  // Rows r0 .. r1 - 1 of job b's group, columns c0 .. c0 + 31, into pack (prefetches unrolled: a loop here cost more
-  // than the prefetches saved).
+  // Rows r0 .. r1 - 1 of job b's group, columns c0 .. c0 + kPackCols - 1, into pack (two explicit prefetches per
+  // row: a loop here cost more than the prefetches saved).
   auto copy = [=](const Job& b, float* pack, int64_t r0, int64_t r1) {
     const int64_t nrows = b.gn * P;
     for (int64_t r = r0; r < std::min(r1, nrows); ++r) {
@@ -597,8 +740,7 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
         __builtin_prefetch(src + kPackAhead * D);
         __builtin_prefetch(src + kPackAhead * D + 16);
       }
-      _mm512_store_ps(pack + r * kPackCols, _mm512_loadu_ps(src));
-      _mm512_store_ps(pack + r * kPackCols + 16, _mm512_loadu_ps(src + 16));
+      std::memcpy(pack + r * kPackCols, src, sizeof(float) * kPackCols);
     }
   };
   parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
@@ -631,7 +773,6 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
     }
   });
 }
-#endif
 
 // ------------------------------------------------------------------------------------------------ gradient memory
 // A table gradient is as large as the tables (tens of MB per layer) and freshly allocated by every backward; the
@@ -699,17 +840,34 @@ int64_t release_gradient_pool() {
 }
 
 // ------------------------------------------------------------------------------------------------ ops
-void check_cpu_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "memoryformer_cpu: ", name, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), "memoryformer_cpu: ", name, " must be contiguous");
+// Every op checks every argument before a kernel runs: the kernels index memory with them unchecked.
+void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.defined(), "memoryformer_cpu.", op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "memoryformer_cpu.", op, ": ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "memoryformer_cpu.", op, ": ", name, " must be contiguous (call .contiguous())");
+}
+
+void check_floating(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "memoryformer_cpu.", op, ": ", name, " must be a CPU tensor, got ", t.device());
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kDouble || s == at::kBFloat16 || s == at::kHalf, "memoryformer_cpu.", op,
+              ": ", name, " must be float32, float64, bfloat16 or float16, got ", s);
+}
+
+void check_hash_args(const at::Tensor& x, int64_t tau, double temperature, const char* op) {
+  check_cpu_contiguous(x, op, "x");
+  check_floating(x, op, "x");
+  TORCH_CHECK(x.dim() == 2, "memoryformer_cpu.", op, ": x must be 2-D [N, K * hash_bits], got shape ", x.sizes());
+  TORCH_CHECK(tau >= 1 && tau <= 16, "memoryformer_cpu.", op, ": hash_bits must be in 1 .. 16, got ", tau);
+  TORCH_CHECK(x.size(1) % tau == 0, "memoryformer_cpu.", op, ": the width of x (", x.size(1),
+              ") must be a multiple of hash_bits (", tau, ")");
+  TORCH_CHECK(temperature > 0, "memoryformer_cpu.", op, ": temperature must be > 0, got ", temperature);
 }
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 std::tuple<at::Tensor, at::Tensor> hash_op(const at::Tensor& x, int64_t tau, bool l1, double temperature) {
-  check_cpu_contiguous(x, "x");
-  TORCH_CHECK(x.dim() == 2, "memoryformer_cpu.hash: x must be [N, K*tau]");
-  TORCH_CHECK(tau >= 1 && tau <= 16 && x.size(1) % tau == 0, "memoryformer_cpu.hash: bad hash_bits");
+  check_hash_args(x, tau, temperature, "hash");
   const int64_t N = x.size(0), K = x.size(1) / tau;
   auto rows = at::empty({N, K}, x.options().dtype(at::kLong));
   auto scores = at::empty({N, K}, x.options().dtype(acc_type(x.scalar_type())));
@@ -722,9 +880,14 @@ std::tuple<at::Tensor, at::Tensor> hash_op(const at::Tensor& x, int64_t tau, boo
 
 at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, int64_t tau, bool l1,
                             double temperature) {
-  check_cpu_contiguous(x, "x");
-  auto gs = grad_scores.to(acc_type(x.scalar_type())).contiguous();
+  check_hash_args(x, tau, temperature, "hash_backward");
   const int64_t N = x.size(0), K = x.size(1) / tau;
+  TORCH_CHECK(grad_scores.defined(), "memoryformer_cpu.hash_backward: grad_scores is undefined");
+  check_floating(grad_scores, "hash_backward", "grad_scores");
+  TORCH_CHECK(grad_scores.dim() == 2 && grad_scores.size(0) == N && grad_scores.size(1) == K,
+              "memoryformer_cpu.hash_backward: grad_scores must be [N, K] = [", N, ", ", K, "] for x of shape ",
+              x.sizes(), " and hash_bits ", tau, ", got ", grad_scores.sizes());
+  auto gs = grad_scores.to(acc_type(x.scalar_type())).contiguous();
   auto gx = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "memoryformer_hash_backward", [&] {
     hash_backward_kernel<scalar_t>(gs.data_ptr<typename Acc<scalar_t>::type>(), x.data_ptr<scalar_t>(),
@@ -751,26 +914,42 @@ void check_rows(const at::Tensor& rows, int64_t P) {
   }
 }
 
-// Shapes of every lookup op's operands, and the rows (check_rows): the kernels index the tables with them unchecked.
+// Shapes and dtypes of every lookup op's operands, and the rows (check_rows).
 void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
-                       int64_t rows_per_table) {
-  check_cpu_contiguous(rows, "rows");
-  check_cpu_contiguous(tables, "tables");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.lookup: rows must be int64 [N, K]");
-  TORCH_CHECK(tables.dim() == 2, "memoryformer_cpu.lookup: tables must be [R, D]");
-  TORCH_CHECK(rows.size(1) * rows_per_table == tables.size(0), "memoryformer_cpu.lookup: tables do not match rows");
-  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == rows.size(1),
-              "memoryformer_cpu.lookup: scores must have the shape of rows [N, K]");
+                       int64_t rows_per_table, const char* op) {
+  check_cpu_contiguous(rows, op, "rows");
+  check_cpu_contiguous(tables, op, "tables");
+  TORCH_CHECK(scores.defined(), "memoryformer_cpu.", op, ": scores is undefined");
+  check_floating(scores, op, "scores");
+  check_floating(tables, op, "tables");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.", op,
+              ": rows must be int64 [N, K], got ", rows.scalar_type(), " of shape ", rows.sizes());
+  TORCH_CHECK(rows.size(1) >= 1, "memoryformer_cpu.", op, ": rows must have one column per table (K >= 1), got ",
+              rows.sizes());
+  TORCH_CHECK(tables.dim() == 2, "memoryformer_cpu.", op, ": tables must be 2-D [K * rows_per_table, D], got shape ",
+              tables.sizes());
+  TORCH_CHECK(rows_per_table >= 1, "memoryformer_cpu.", op, ": rows_per_table must be >= 1, got ", rows_per_table);
+  const int64_t K = rows.size(1);
+  TORCH_CHECK(tables.size(0) % K == 0 && tables.size(0) / K == rows_per_table, "memoryformer_cpu.", op,
+              ": tables must have K * rows_per_table = ", K, " * ", rows_per_table, " rows, got ", tables.size(0));
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == K, "memoryformer_cpu.", op,
+              ": scores must have the shape of rows ", rows.sizes(), ", got ", scores.sizes());
   check_rows(rows, rows_per_table);
 }
 
 // The operands as the kernels take them: scores in the accumulation type, bias (undefined when absent) in the
 // tables' dtype, both contiguous.
 std::pair<at::Tensor, at::Tensor> lookup_operands(const at::Tensor& scores, const at::Tensor& tables,
-                                                  const std::optional<at::Tensor>& bias) {
+                                                  const std::optional<at::Tensor>& bias, const char* op) {
   auto s = scores.to(acc_type(tables.scalar_type())).contiguous();
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(tables.scalar_type()).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    check_floating(*bias, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == tables.size(1), "memoryformer_cpu.", op,
+                ": bias must be 1-D with one value per output column [", tables.size(1), "], got shape ",
+                bias->sizes());
+    b = bias->to(tables.scalar_type()).contiguous();
+  }
   return {s, b};
 }
 
@@ -787,43 +966,41 @@ at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const a
   return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
 }
 
-// Whether the packed forward can run: float32 tables whose width is whole column blocks, built with AVX-512.
-bool packed_applies(const at::Tensor& tables) {
-#if defined(__AVX512F__)
-  return tables.scalar_type() == at::kFloat && tables.size(1) % kPackCols == 0;
-#else
-  return false;
-#endif
+// The forward strategy "auto" runs (see the design notes at the top):
+//   up to kSmallBatch tokens (or float64): token-major; tables beyond the LLC (Tuning::bucketed_min) with
+//   >= kBucketedHits lookups per row and a column block per thread: bucketed; float32 tables about the size of the
+//   LLC (Tuning::packed_min) with >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed;
+//   otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel, the fastest gather
+//   we measured for tables well inside the LLC; it splits tokens, so it uses every thread on any shape).
+std::string choose_strategy(int64_t N, int64_t K, int64_t P, int64_t D, at::ScalarType dtype) {
+  if (N <= kSmallBatch || dtype == at::kDouble) return "token";
+  const Tuning t = tuning();
+  const int64_t bytes = K * P * D * int64_t(c10::elementSize(dtype));
+  const int64_t threads = std::max(1, at::get_num_threads());
+  if (bytes >= t.bucketed_min && N >= kBucketedHits * P && num_blocks(D) >= threads) return "bucketed";
+  const int64_t packed_units = (N + t.pack_chunk - 1) / t.pack_chunk * (D / kPackCols);
+  if (packed_applies(dtype, D) && bytes >= t.packed_min && N >= kPackedHits * P && packed_units >= threads)
+    return "packed";
+  return "embedding_bag";
 }
 
-// The forward strategies (see the design notes at the top). "auto" is what `lookup` runs:
-//   up to kSmallBatch tokens (or float64): token-major; tables beyond L3 (>= kBucketedBytes) with >= kBucketedHits
-//   lookups per row: bucketed; float32 tables about the size of L3 (>= kPackedBytes) with >= kPackedHits lookups per
-//   row: packed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel, the
-//   fastest gather we measured for tables well inside L3), run here below autograd, without its backward.
-// The others force one strategy; tests use them to check every branch against an oracle.
+// "auto" is what `lookup` runs; the others force one strategy (tests use them to check every branch).
 at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
                               const std::optional<at::Tensor>& bias, int64_t rows_per_table,
                               c10::string_view strategy) {
-  check_lookup_args(rows, scores, tables, rows_per_table);
+  check_lookup_args(rows, scores, tables, rows_per_table, "lookup");
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1), P = rows_per_table;
   std::string how(strategy);
   TORCH_CHECK(how == "auto" || how == "token" || how == "embedding_bag" || how == "bucketed" || how == "packed",
               "memoryformer_cpu.lookup_strategy: unknown strategy '", how,
               "' (use auto, token, embedding_bag, bucketed or packed)");
-  if (how == "auto") {
-    const int64_t bytes = tables.nbytes();
-    if (N <= kSmallBatch || tables.scalar_type() == at::kDouble) how = "token";
-    else if (bytes >= kBucketedBytes && N >= kBucketedHits * P) how = "bucketed";
-    else if (packed_applies(tables) && bytes >= kPackedBytes && N >= kPackedHits * P) how = "packed";
-    else how = "embedding_bag";
-  }
-  TORCH_CHECK(how != "packed" || packed_applies(tables), "memoryformer_cpu.lookup_strategy: 'packed' needs float32 "
-              "tables with a width that is a multiple of ", kPackCols, " and a build with AVX-512");
+  if (how == "auto") how = choose_strategy(N, K, P, D, tables.scalar_type());
+  TORCH_CHECK(how != "packed" || packed_applies(tables.scalar_type(), D), "memoryformer_cpu.lookup_strategy: "
+              "'packed' needs float32 tables with a width that is a multiple of ", kPackCols);
   TORCH_CHECK(how != "embedding_bag" || tables.scalar_type() != at::kDouble,
               "memoryformer_cpu.lookup_strategy: 'embedding_bag' does not take float64 tables");
   at::Tensor s, b;
-  std::tie(s, b) = lookup_operands(scores, tables, bias);
+  std::tie(s, b) = lookup_operands(scores, tables, bias, "lookup");
   if (how == "bucketed") return bucketed_forward(rows, s, tables, b, P);
   if (how == "embedding_bag") {
     auto offsets = at::arange(0, N * K, K, rows.options());
@@ -833,13 +1010,11 @@ at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, 
     return b.defined() ? bag.add_(b) : bag;
   }
   auto out = at::empty({N, D}, tables.options());
-#if defined(__AVX512F__)
   if (how == "packed") {
     lookup_packed(rows.data_ptr<int64_t>(), s.data_ptr<float>(), tables.data_ptr<float>(),
                   b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, K, P, D);
     return out;
   }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {
     using A = typename Acc<scalar_t>::type;
     lookup_kernel<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<A>(), tables.data_ptr<scalar_t>(),
@@ -856,13 +1031,16 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
 std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out, const at::Tensor& rows,
                                                       const at::Tensor& scores, const at::Tensor& tables,
                                                       int64_t rows_per_table, bool need_tables, bool need_scores) {
-  check_lookup_args(rows, scores, tables, rows_per_table);
+  check_lookup_args(rows, scores, tables, rows_per_table, "lookup_backward");
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  TORCH_CHECK(grad_out.defined(), "memoryformer_cpu.lookup_backward: grad_out is undefined");
+  check_floating(grad_out, "lookup_backward", "grad_out");
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
-              "memoryformer_cpu.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "]");
+              "memoryformer_cpu.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "], got ",
+              grad_out.sizes());
   const auto acc = acc_type(tables.scalar_type());
   auto gy = grad_out.to(acc).contiguous();
-  auto s = lookup_operands(scores, tables, std::nullopt).first;
+  auto s = lookup_operands(scores, tables, std::nullopt, "lookup_backward").first;
   at::Tensor gscores, gtables;
   if (need_scores) gscores = at::empty({N, K}, tables.options().dtype(acc));
   if (need_tables) gtables = pooled_empty_like(tables);
@@ -884,9 +1062,38 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out
   return {gscores, gtables};
 }
 
+// ------------------------------------------------------------------------------------------------ introspection
+std::string isa_op() { return MEMORYFORMER_ISA; }
+
+std::vector<int64_t> machine_info_op() {
+  const Caches c = caches();
+  return {c.l1, c.l2, c.l3, int64_t(std::max(1, at::get_num_threads())), kLanes * int64_t(sizeof(float))};
+}
+
+void set_cache_sizes_op(int64_t l1, int64_t l2, int64_t l3) {
+  TORCH_CHECK(l1 >= 0 && l2 >= 0 && l3 >= 0, "memoryformer_cpu.set_cache_sizes: sizes must be >= 0 bytes "
+              "(0, 0, 0 restores the detected caches), got ", l1, ", ", l2, ", ", l3);
+  const bool reset = l1 == 0 && l2 == 0 && l3 == 0;
+  override_l1.store(l1);
+  override_l2.store(l2);
+  override_l3.store(reset ? -1 : l3);
+}
+
+std::string plan_op(int64_t N, int64_t K, int64_t P, int64_t D, at::ScalarType dtype, bool backward) {
+  TORCH_CHECK(N >= 0 && K >= 1 && P >= 1 && D >= 1, "memoryformer_cpu.plan: need tokens >= 0, num_tables >= 1, "
+              "rows_per_table >= 1 and out_features >= 1, got ", N, ", ", K, ", ", P, ", ", D);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "memoryformer_cpu.plan: dtype must be float32, float64, bfloat16 or float16, got ", dtype);
+  return backward ? "bucketed" : choose_strategy(N, K, P, D, dtype);
+}
+
 }  // namespace
 
-TORCH_LIBRARY(memoryformer_cpu, m) {
+// One indirection so that MEMORYFORMER_OPS is expanded before TORCH_LIBRARY pastes it into names.
+#define MEMORYFORMER_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define MEMORYFORMER_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+MEMORYFORMER_LIBRARY(MEMORYFORMER_OPS, m) {
   m.def("hash(Tensor x, int hash_bits, bool l1, float temperature) -> (Tensor, Tensor)");
   m.def("hash_backward(Tensor grad_scores, Tensor x, int hash_bits, bool l1, float temperature) -> Tensor");
   m.def("lookup(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
@@ -895,9 +1102,14 @@ TORCH_LIBRARY(memoryformer_cpu, m) {
   m.def("lookup_strategy(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table, str strategy) "
         "-> Tensor");
   m.def("release_gradient_pool() -> int", &release_gradient_pool);
+  m.def("isa() -> str", &isa_op);
+  m.def("machine_info() -> int[]", &machine_info_op);
+  m.def("set_cache_sizes(int l1, int l2, int l3) -> ()", &set_cache_sizes_op);
+  m.def("plan(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
+        "-> str", &plan_op);
 }
 
-TORCH_LIBRARY_IMPL(memoryformer_cpu, CPU, m) {
+MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("hash", &hash_op);
   m.impl("hash_backward", &hash_backward_op);
   m.impl("lookup", &lookup_op);

@@ -297,7 +297,8 @@ def cpu_flags() -> list[str]:
             for line in f:
                 if line.startswith("flags"):
                     flags = line.split(":", 1)[1].split()
-                    keep = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+                    keep = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                            "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve", "sve2")
                     return [f for f in keep if f in flags]
     except OSError:
         pass
@@ -325,10 +326,25 @@ def command_line() -> str:
     spec = getattr(main, "__spec__", None)
     target = f"-m {spec.name}" if spec is not None and spec.name else shlex.quote(sys.argv[0])
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
-    prefix = ""
-    if os.environ.get("MEMORYFORMER_KERNEL"):
-        prefix = f"MEMORYFORMER_KERNEL={os.environ['MEMORYFORMER_KERNEL']} "
+    prefix = "".join(
+        f"{var}={os.environ[var]} " for var in ("MEMORYFORMER_KERNEL", "MEMORYFORMER_KERNEL_MARCH") if os.environ.get(var)
+    )
     return f"{prefix}{exe} {target} {args}".strip()
+
+
+def fused_kernel_facts() -> dict:
+    """What the fused kernel was built for and what it sees: the -march, its vector layer, the caches it plans with."""
+    import torch
+
+    from modeling_memoryformer import memory_ops
+
+    facts = {"fused_kernel_march": os.environ.get("MEMORYFORMER_KERNEL_MARCH", "native")}
+    if "fused" in memory_ops.available_kernels():
+        ops = torch.ops.memoryformer_cpu
+        l1, l2, l3, threads, vector_bytes = ops.machine_info()
+        facts.update(fused_kernel_isa=ops.isa(), fused_kernel_vector_bytes=vector_bytes,
+                     caches_bytes={"l1d": l1, "l2": l2, "l3": l3})
+    return facts
 
 
 def environment() -> dict:
@@ -361,6 +377,7 @@ def environment() -> dict:
         "total_memory_gb": round((total_memory_bytes() or 0) / GB, 1),
         "available_memory_gb": round(available_memory_bytes() / GB, 1),
         "kernels_available": memory_ops.available_kernels(),
+        **fused_kernel_facts(),
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "package_dirty": bool(dirty),
         "fused_kernel_source_sha256": kernel_source,

@@ -94,8 +94,18 @@ def _meta_line(meta: dict) -> str:
     return (
         f"{meta['date']}, `{meta['command']}`, torch {meta['torch']}, transformers {meta['transformers']}, "
         f"{meta['threads']} threads, {meta['cpu']}, git {meta.get('git_commit')}{dirty}, "
-        f"kernels available: {', '.join(meta['kernels_available'])}, took {meta.get('elapsed_s', 0):.0f} s"
+        f"kernels available: {', '.join(meta['kernels_available'])}{_fused_line(meta)}, "
+        f"took {meta.get('elapsed_s', 0):.0f} s"
     )
+
+
+def _fused_line(meta: dict) -> str:
+    """The fused kernel's build target, vector layer and the caches it planned with (records since they exist)."""
+    if not meta.get("fused_kernel_isa"):
+        return ""
+    c = meta.get("caches_bytes") or {}
+    caches = ", ".join(f"{k.upper()} {v // 1024} KB" for k, v in c.items() if v)
+    return f"; fused built with -march={meta.get('fused_kernel_march')}, vector layer {meta['fused_kernel_isa']}, caches {caches}"
 
 
 def markdown(results: dict) -> str:
@@ -115,7 +125,7 @@ def markdown(results: dict) -> str:
         f"| threads | {meta['threads']} (torch.get_num_threads(); {meta['logical_cpus']} logical CPUs) |",
         f"| CPU | {meta['cpu']} ({flags}); {meta['total_memory_gb']} GB RAM |",
         f"| code | git {meta.get('git_commit')}{dirty} |",
-        f"| Memory Layer kernels | {', '.join(meta['kernels_available'])} |",
+        f"| Memory Layer kernels | {', '.join(meta['kernels_available'])}{_fused_line(meta)} |",
         "",
         "**Method.** Every number is the median of timed repeats taken in one process, round-robin across the",
         "contestants of a cell (repeat r runs every contestant once, starting at contestant r mod n, so drift hits",

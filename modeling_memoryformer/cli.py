@@ -8,6 +8,7 @@
     memoryformer push       upload a saved model with a generated model card to the Hub
     memoryformer generate   build a preset, run a forward and a generation, print FLOPs and memory
     memoryformer flops      FLOPs per block and table memory against the Pythia twin (paper Table 1)
+    memoryformer kernels    CPU, caches and the fused kernel's strategy for every Memory Layer of a preset
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=_generate)
 
-    from . import buckets, conversion, demo, evaluation, hub, training
+    from . import buckets, conversion, demo, evaluation, hub, kernel_report, training
 
     tools = (  # (command, help, module that defines its arguments, its runner)
         ("demo", "Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report.",
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
          evaluation.add_eval_arguments, evaluation.run_eval),
         ("push", "Push a saved model, its tokenizer and a generated model card to the Hub.",
          hub.add_push_arguments, hub.run_push),
+        ("kernels", "CPU features, cache sizes, the fused kernel's vector layer and its strategy per Memory Layer.",
+         kernel_report.add_kernels_arguments, kernel_report.run_kernels),
     )
     for name, help_text, add_arguments, run in tools:
         command = sub.add_parser(name, help=help_text)

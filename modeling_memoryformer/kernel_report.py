@@ -1,0 +1,410 @@
+"""`memoryformer kernels`: what the fused CPU kernel sees on this machine and which strategy it picks per layer.
+
+Reports the CPU model and its vector features, the cache sizes and thread count the kernel plans with, whether the
+fused kernel is built and loaded (and its compiled vector layer) or why not, and, for every Memory Layer shape of a
+preset, the strategy the kernel's "auto" picks for the forward and the backward at a few token counts
+(`torch.ops.memoryformer_cpu.plan`). Nothing here builds a model: the shapes come from the config
+(`memory_layer_shapes`), and a test checks them against the MemoryLayer modules of a real model.
+
+Default token counts (`DEFAULT_WORKLOADS`), the workloads of `make bench`: 1 (one decode step of batch 1), 2048 (a
+prefill of batch 1 x 2048 tokens) and 4096 (a training step of batch 8 x 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+
+from .configuration_memoryformer import PRESETS, MemoryFormerConfig
+
+
+DEFAULT_WORKLOADS = {1: "decode, batch 1", 2048: "prefill, 1 x 2048", 4096: "training, 8 x 512"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+STRATEGIES = ("token", "embedding_bag", "packed", "bucketed")
+
+# Vector features worth knowing for this kernel, in the order printed (names as /proc/cpuinfo spells them).
+X86_FEATURES = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+)
+ARM_FEATURES = ("asimd", "asimdhp", "asimddp", "fphp", "bf16", "i8mm", "sve", "sve2", "svebf16", "sme")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The machine
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name ("AMD EPYC 9R14 ..."), or the best the platform module knows."""
+    for line in _cpuinfo():
+        key = line.split(":", 1)[0].strip().lower()
+        if key in ("model name", "hardware", "cpu model") and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_features() -> list[str]:
+    """The vector features of the CPU that matter here (x86: SSE4.2 ... AVX-512, AMX; aarch64: ASIMD, SVE, ...)."""
+    for line in _cpuinfo():
+        key = line.split(":", 1)[0].strip().lower()
+        if key in ("flags", "features") and ":" in line:
+            flags = set(line.split(":", 1)[1].split())
+            wanted = ARM_FEATURES if key == "features" else X86_FEATURES
+            return [name for name in wanted if name in flags]
+    return []
+
+
+def detected_cache_sizes() -> tuple[int, int, int]:
+    """(L1d, L2, L3) bytes as the OS reports them (sysfs, then sysconf); 0 where unknown. Used without the kernel.
+
+    sysfs first: glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) can be wrong in VMs (320 MiB for a 32 MiB L3 on an AMD EPYC
+    guest with glibc 2.36), while /sys/devices/system/cpu/cpu0/cache has what the hypervisor exposes.
+    """
+    sizes = [0, 0, 0]
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "level"), encoding="utf-8") as f:
+                level = int(f.read())
+            with open(os.path.join(base, entry, "type"), encoding="utf-8") as f:
+                kind = f.read().strip()
+            with open(os.path.join(base, entry, "size"), encoding="utf-8") as f:
+                size = parse_size(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if 1 <= level <= 3 and kind in ("Data", "Unified") and not sizes[level - 1]:
+            sizes[level - 1] = size
+    for i, name in enumerate(("SC_LEVEL1_DCACHE_SIZE", "SC_LEVEL2_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE")):
+        if not sizes[i]:
+            try:
+                sizes[i] = max(0, int(os.sysconf(name)))
+            except (ValueError, OSError, AttributeError):
+                pass
+    return sizes[0], sizes[1], sizes[2]
+
+
+def parse_size(text: str) -> int:
+    """"48K", "1M", "32MiB", "1048576" -> bytes (binary multiples)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(value[-1:], 1)
+    number = value[:-1] if scale > 1 else value
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a size; write bytes or a number with K, M or G, e.g. 48K, 1M, 32M."
+        ) from None
+    if size < 0:
+        raise ValueError(f"a cache size cannot be negative, got {text!r}.")
+    return size
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Binary units, as cache sizes are quoted: 48 KiB, 1 MiB, 100.7 MiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model's Memory Layers
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One Memory Layer of a decoder block, as the kernel sees it (a [num_tables * rows_per_table, out] table)."""
+
+    name: str  # module path inside a decoder layer, e.g. "attention.query_key_value"
+    in_features: int
+    out_features: int
+    hash_bits: int
+    count: int  # how many of the model has (one per decoder layer)
+
+    @property
+    def num_tables(self) -> int:
+        return self.in_features // self.hash_bits
+
+    @property
+    def rows_per_table(self) -> int:
+        return 1 << self.hash_bits
+
+    def table_bytes(self, bytes_per_value: int) -> int:
+        return self.num_tables * self.rows_per_table * self.out_features * bytes_per_value
+
+
+def memory_layer_shapes(config: MemoryFormerConfig) -> list[LayerShape]:
+    """The Memory Layers of `MemoryFormerForCausalLM(config)`, per decoder layer, without building the model.
+
+    Mirrors modeling_memoryformer.py: the fused Q/K/V layer (d -> 3d: one hash, one table), the optional attention
+    output layer (`attention_output="memory"`, d -> d), and the Memory Block's layer1 (d -> intermediate, tau bits)
+    and layer2 (intermediate -> d, tau + e bits). (flops.memory_layers lists Q, K and V separately instead, as the
+    paper counts them.)
+    """
+    d, tau, inner, layers = config.hidden_size, config.hash_bits, config.intermediate_size, config.num_hidden_layers
+    shapes = [LayerShape("attention.query_key_value", d, 3 * d, tau, layers)]
+    if config.attention_output == "memory":
+        shapes.append(LayerShape("attention.dense", d, d, tau, layers))
+    shapes.append(LayerShape("memory_block.layer1", d, inner, tau, layers))
+    shapes.append(LayerShape("memory_block.layer2", inner, d, tau + config.expand_bits, layers))
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _ops():
+    import torch
+
+    return torch.ops.memoryformer_cpu
+
+
+def _has_op(name: str) -> bool:
+    try:
+        return hasattr(_ops(), name)
+    except Exception:  # noqa: BLE001 - an unloaded namespace
+        return False
+
+
+def kernel_status() -> dict:
+    """Whether the fused kernel loads (building it the first time), its vector layer, and what Memory Layers use."""
+    import warnings
+
+    from . import memory_ops
+
+    reason = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loaded = memory_ops.load_fused_kernels()
+        except (RuntimeError, ValueError) as error:  # MEMORYFORMER_REQUIRE_FUSED=1, or a malformed setting
+            loaded, reason = False, str(error)
+    if not loaded and reason is None:
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        reason = messages[0] if messages else "the build failed earlier in this process (see the warning above)"
+    try:
+        selected, selection_error = memory_ops.get_kernel(), None
+    except (ValueError, RuntimeError) as error:
+        selected, selection_error = None, str(error)
+    status = {
+        "loaded": bool(loaded),
+        "reason": reason,
+        "isa": None,
+        "setting": os.environ.get("MEMORYFORMER_KERNEL", "auto"),
+        "selected": selected,
+        "selection_error": selection_error,
+        "missing_ops": [],
+    }
+    if loaded:
+        status["missing_ops"] = [op for op in ("isa", "machine_info", "set_cache_sizes", "plan") if not _has_op(op)]
+        if _has_op("isa"):
+            status["isa"] = str(_ops().isa())
+    return status
+
+
+def machine_info() -> dict | None:
+    """The kernel's machine_info() as a dict, or None without the kernel."""
+    if not _has_op("machine_info"):
+        return None
+    l1, l2, l3, threads, vector_bytes = (int(v) for v in _ops().machine_info())
+    return {"l1d_bytes": l1, "l2_bytes": l2, "l3_bytes": l3, "threads": threads, "vector_bytes": vector_bytes}
+
+
+def plan_strategy(tokens: int, shape: LayerShape, dtype, backward: bool) -> str:
+    """The strategy the kernel's "auto" picks for `tokens` tokens through `shape` (an error text if it refuses)."""
+    try:
+        return str(_ops().plan(tokens, shape.num_tables, shape.rows_per_table, shape.out_features, dtype, backward))
+    except RuntimeError as error:
+        return f"error: {str(error).splitlines()[0]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The report
+
+
+def collect(
+    config: MemoryFormerConfig,
+    tokens: list[int] | None = None,
+    dtype: str = "fp32",
+    cache_sizes: tuple[int, int, int] | None = None,
+    preset: str | None = None,
+) -> dict:
+    """Everything `memoryformer kernels` prints, as a JSON-ready dict.
+
+    cache_sizes (L1d, L2, L3 bytes) plans as if the machine had those caches (`set_cache_sizes`), then restores
+    what the kernel used before.
+    """
+    import torch
+
+    tokens = list(DEFAULT_WORKLOADS) if tokens is None else list(tokens)
+    if any(n < 0 for n in tokens):
+        raise ValueError(f"--tokens must be >= 0, got {tokens}.")
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    kernel = kernel_status()
+    os_caches = detected_cache_sizes()
+    can_plan = kernel["loaded"] and _has_op("plan")
+    previous = None
+    if cache_sizes is not None:
+        if not (kernel["loaded"] and _has_op("set_cache_sizes") and _has_op("machine_info")):
+            raise ValueError("--cache-sizes needs the fused kernel with set_cache_sizes(); it is not available here.")
+        previous = machine_info()
+        _ops().set_cache_sizes(*cache_sizes)
+    try:
+        info = machine_info() if kernel["loaded"] else None
+        if info is not None:
+            caches = {"l1d_bytes": info["l1d_bytes"], "l2_bytes": info["l2_bytes"], "l3_bytes": info["l3_bytes"],
+                      "source": "override" if cache_sizes is not None else "kernel"}
+        else:
+            caches = {"l1d_bytes": os_caches[0], "l2_bytes": os_caches[1], "l3_bytes": os_caches[2], "source": "os"}
+        bytes_per_value = torch.empty((), dtype=torch_dtype).element_size()
+        layers = []
+        for shape in memory_layer_shapes(config):
+            entry = {**asdict(shape), "num_tables": shape.num_tables, "rows_per_table": shape.rows_per_table,
+                     "table_bytes": shape.table_bytes(bytes_per_value), "plans": []}
+            for n in tokens:
+                plan = {"tokens": n, "forward": None, "backward": None}
+                if can_plan:
+                    plan["forward"] = plan_strategy(n, shape, torch_dtype, False)
+                    plan["backward"] = plan_strategy(n, shape, torch_dtype, True)
+                entry["plans"].append(plan)
+            layers.append(entry)
+    finally:
+        if previous is not None:
+            _ops().set_cache_sizes(0, 0, 0)  # detect again; re-apply an earlier override if there was one
+            now = machine_info()
+            before = (previous["l1d_bytes"], previous["l2_bytes"], previous["l3_bytes"])
+            if (now["l1d_bytes"], now["l2_bytes"], now["l3_bytes"]) != before:
+                _ops().set_cache_sizes(*before)
+    return {
+        "cpu": {"model": cpu_model(), "arch": platform.machine(), "features": cpu_features()},
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "caches": caches,
+        "os_caches": {"l1d_bytes": os_caches[0], "l2_bytes": os_caches[1], "l3_bytes": os_caches[2]},
+        "machine_info": info,
+        "kernel": kernel,
+        "preset": preset,
+        "config": {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+                   "hash_bits": config.hash_bits, "expand_bits": config.expand_bits,
+                   "intermediate_size": config.intermediate_size, "attention_output": config.attention_output},
+        "dtype": DTYPES[dtype],
+        "workloads": [{"tokens": n, "label": DEFAULT_WORKLOADS.get(n, "")} for n in tokens],
+        "layers": layers,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The human-readable form of `collect`'s report."""
+    cpu, caches, kernel = report["cpu"], report["caches"], report["kernel"]
+    lines = [
+        f"CPU:        {cpu['model']} ({cpu['arch']})",
+        f"features:   {' '.join(cpu['features']) or 'none of the tracked vector features'}"
+        f"   (torch dispatches {report['torch_cpu_capability']})",
+    ]
+    source = {"kernel": "as the kernel uses them", "override": "overridden with --cache-sizes",
+              "os": "as the OS reports them; "
+              + ("this kernel build has no machine_info()" if kernel["loaded"] else "the kernel is not loaded")}
+    source = source[caches["source"]]
+    lines.append(
+        f"caches:     L1d {format_bytes(caches['l1d_bytes'])}, L2 {format_bytes(caches['l2_bytes'])}, "
+        f"L3 {format_bytes(caches['l3_bytes'])} ({source})"
+    )
+    differ = [
+        f"{label} {format_bytes(report['os_caches'][key])}"
+        for label, key in (("L1d", "l1d_bytes"), ("L2", "l2_bytes"), ("L3", "l3_bytes"))
+        if caches["source"] == "kernel" and report["os_caches"][key] and report["os_caches"][key] != caches[key]
+    ]
+    if differ:
+        lines.append(f"            note: sysfs (/sys/devices/system/cpu/cpu0/cache) reports {', '.join(differ)}")
+    info = report["machine_info"]
+    threads = f"threads:    {report['threads']} (torch.get_num_threads())"
+    if info is not None:
+        threads += f"; kernel sees {info['threads']} threads, {info['vector_bytes']}-byte vectors"
+    lines.append(threads)
+    if kernel["loaded"]:
+        isa = kernel["isa"] or "unknown (this build has no isa())"
+        lines.append(f"kernel:     fused CPU kernel loaded, vector layer {isa}")
+        if kernel["missing_ops"]:
+            lines.append(f"            this build lacks {', '.join(kernel['missing_ops'])}: no plans shown")
+    else:
+        lines.append(f"kernel:     fused CPU kernel NOT available: {kernel['reason']}")
+    if kernel["selected"]:
+        lines.append(f"in use:     {kernel['selected']} (MEMORYFORMER_KERNEL={kernel['setting']})")
+    else:
+        lines.append(f"in use:     none: {kernel['selection_error']}")
+
+    config = report["config"]
+    name = f"MF-{report['preset']}" if report["preset"] else "the model"
+    lines += [
+        "",
+        f"Memory Layers of {name} (d={config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"tau={config['hash_bits']}, e={config['expand_bits']}), {report['dtype']} tables; "
+        "strategy of the kernel's \"auto\" as forward / backward:",
+        "",
+    ]
+    heads = [f"N={w['tokens']}" + (f" ({w['label']})" if w["label"] else "") for w in report["workloads"]]
+    lines.append("| Memory Layer | d_in -> d_out | tau | K | table | " + " | ".join(heads) + " |")
+    lines.append("|---|---|---|---|---|" + "---|" * len(heads))
+    for layer in report["layers"]:
+        cells = []
+        for plan in layer["plans"]:
+            cells.append("-" if plan["forward"] is None else f"{plan['forward']} / {plan['backward']}")
+        lines.append(
+            f"| {layer['name']} (x{layer['count']}) | {layer['in_features']} -> {layer['out_features']} "
+            f"| {layer['hash_bits']} | {layer['num_tables']} | {format_bytes(layer['table_bytes'])} | "
+            + " | ".join(cells) + " |"
+        )
+    if not kernel["loaded"]:
+        lines += ["", "No plans: Memory Layers run the PyTorch path (hash, then embedding_bag) without the kernel."]
+    lines += [
+        "",
+        "token: per-token gather in registers (few tokens); embedding_bag: FBGEMM's gather (tables inside the cache);",
+        "packed: table rows copied into an L2-resident buffer per group of tables (tables about the size of L3);",
+        "bucketed: lookups grouped by row, the table streamed once (tables beyond L3; the backward).",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="model whose Memory Layers are planned")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None,
+        help="token counts per call to plan for (default: 1 = decode, 2048 = prefill 1 x 2048, "
+        "4096 = training 8 x 512)",
+    )
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="table value type (default fp32)")
+    parser.add_argument(
+        "--cache-sizes", nargs=3, metavar=("L1D", "L2", "L3"), default=None,
+        help="plan as if the caches had these sizes (e.g. 48K 1M 32M) instead of the detected ones",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    config = MemoryFormerConfig.from_preset(args.preset)
+    cache_sizes = None if args.cache_sizes is None else tuple(parse_size(s) for s in args.cache_sizes)
+    report = collect(config, args.tokens, args.dtype, cache_sizes, preset=args.preset)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

@@ -237,6 +237,13 @@ def memory_lookup(
     _check_tables(x, tables, hash_bits)
     if score not in HASH_SCORES:
         raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
+    if not temperature > 0:  # as hash_scores says it, before either path (the fused one does not score in Python)
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if bias is not None and (bias.shape != tables.shape[-1:] or not bias.is_floating_point()):
+        raise ValueError(
+            f"bias must be a floating-point vector of out_features={tables.shape[-1]} values (one per table column); "
+            f"got {bias.dtype} of shape {tuple(bias.shape)}. Pass a bias of shape [{tables.shape[-1]}], or None."
+        )
     if x.device.type == "cpu" and _use_fused(tables):  # hashing and scoring in one C++ pass, then the lookup
         rows, scores = torch.ops.memoryformer_cpu.hash(
             x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)

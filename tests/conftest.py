@@ -55,11 +55,22 @@ def input_ids():
     return torch.randint(3, TINY["vocab_size"], (2, 11), generator=generator)
 
 
+def require_kernel(name: str) -> None:
+    """Skip the calling test when the Memory Layer kernel `name` is not available here; with
+    MEMORYFORMER_REQUIRE_FUSED=1 (as `make test` runs) fail instead: no silent skips of the fused kernel."""
+    if name == "torch":
+        return  # always there, and asking must not build the fused kernel
+    if name not in memory_ops.available_kernels():  # under MEMORYFORMER_REQUIRE_FUSED=1 this raises the build error
+        if memory_ops.fused_required():
+            pytest.fail(f"the {name!r} Memory Layer kernel is not available and MEMORYFORMER_REQUIRE_FUSED=1")
+        pytest.skip(f"the {name!r} Memory Layer kernel is not available in this environment")
+
+
 @pytest.fixture(params=["fused", "torch"])
 def kernel(request):
-    """Every concrete Memory Layer implementation ("fused", "torch"); the ones not built here are skipped."""
+    """Every concrete Memory Layer implementation ("fused", "torch"); the ones not built here are skipped (an error
+    under MEMORYFORMER_REQUIRE_FUSED=1)."""
     name = request.param
-    if name not in memory_ops.available_kernels():
-        pytest.skip(f"the {name!r} Memory Layer kernel is not available in this environment")
+    require_kernel(name)
     with memory_ops.use_kernel(name):
         yield name

@@ -22,10 +22,9 @@ def test_hashed_rows_of_the_wrong_table_are_rejected():
 
 
 def test_fused_ops_reject_rows_of_the_wrong_table_instead_of_reading_out_of_bounds():
-    from modeling_memoryformer import memory_ops
+    from conftest import require_kernel
 
-    if "fused" not in memory_ops.available_kernels():
-        pytest.skip("the fused CPU kernel is not built in this environment")
+    require_kernel("fused")  # a skip, or a failure under MEMORYFORMER_REQUIRE_FUSED=1
     ops = torch.ops.memoryformer_cpu
     tables = torch.randn(4 * 16, 32)
     rows = torch.tensor([[0, 16, 32, 48], [15, 31, 47, 63]])

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
+from conftest import require_kernel
 from modeling_memoryformer import MemoryLayer, memory_ops
 
 
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_compiled_memory_layer_matches_eager_output_and_gradients(kernel):
-    if kernel not in memory_ops.available_kernels():
-        pytest.skip(f"{kernel} kernel not available here")
+    require_kernel(kernel)  # a skip, or a failure under MEMORYFORMER_REQUIRE_FUSED=1
     torch.manual_seed(0)
     layer = MemoryLayer(64, 32, 8)
     x = torch.randn(5, 64, requires_grad=True)

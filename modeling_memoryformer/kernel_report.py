@@ -198,7 +198,7 @@ def kernel_status() -> dict:
             loaded, reason = False, str(error)
     if not loaded and reason is None:
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        reason = messages[0] if messages else "the build failed earlier in this process (see the warning above)"
+        reason = messages[0] if messages else (memory_ops._fused_error or "the build failed earlier in this process")
     try:
         selected, selection_error = memory_ops.get_kernel(), None
     except (ValueError, RuntimeError) as error:

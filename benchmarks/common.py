@@ -280,29 +280,17 @@ def total_memory_bytes() -> int | None:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's name, as `memoryformer kernels` prints it."""
+    from modeling_memoryformer.kernel_report import cpu_model as model
+
+    return model()
 
 
 def cpu_flags() -> list[str]:
-    """The SIMD features that matter here (AVX2/AVX-512/AMX), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    keep = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-                            "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve", "sve2")
-                    return [f for f in keep if f in flags]
-    except OSError:
-        pass
-    return []
+    """The CPU's vector features that matter for the kernels (x86 SSE4.2 ... AVX-512, AMX; aarch64 ASIMD, SVE)."""
+    from modeling_memoryformer.kernel_report import cpu_features
+
+    return cpu_features()
 
 
 def _git(*args: str) -> str | None:

@@ -89,12 +89,6 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
     assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
 
 
-packed_pass = pytest.mark.skipif(
-    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="the packed pass is built with AVX-512"
-)
-
-
-@packed_pass
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize(
     "n, num_tables, hash_bits, out_features",
@@ -116,7 +110,6 @@ def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_feat
     assert_forward_matches_oracle(y, rows, scores, tables, bias, torch.float32)
 
 
-@packed_pass
 def test_packed_and_bucketed_passes_give_the_same_bits_on_any_number_of_threads():
     """Threads split the work by whole column blocks, each summed in a fixed order: the thread count cannot change
     a single bit of the output."""
@@ -136,13 +129,53 @@ def test_packed_and_bucketed_passes_give_the_same_bits_on_any_number_of_threads(
             assert torch.equal(single, multi)
 
 
-@packed_pass
-def test_packed_forward_is_picked_for_l3_sized_float32_tables_and_many_tokens():
-    """d = 512, tau = 8: 33.5 MB of tables (about L3), 2048 tokens: `lookup` takes the packed pass, and equals it."""
+@pytest.fixture
+def machine():
+    """Pin the machine the strategy choice sees: set(l1, l2, l3, threads); detection and threads come back after."""
+    threads = torch.get_num_threads()
+
+    def set_machine(l1, l2, l3, num_threads):
+        ops().set_cache_sizes(l1, l2, l3)
+        torch.set_num_threads(num_threads)
+
+    yield set_machine
+    ops().set_cache_sizes(0, 0, 0)
+    torch.set_num_threads(threads)
+
+
+def test_packed_forward_is_picked_for_l3_sized_float32_tables_and_many_tokens(machine):
+    """d = 512, tau = 8: 33.5 MB of tables, 2048 tokens. With a 32 MB L3 (tables of 3/4 to 3/2 of it) and 2 threads
+    `lookup` takes the packed pass, and equals it; with a 16 MB L3 the tables are beyond the cache (bucketed); with
+    a 64 MB one, well inside it (embedding_bag); with 32 threads the packed pass has fewer units than threads."""
     rows, scores, tables, bias = hashed_inputs(2048, 64, 8, 512, torch.float32, seed=3)
+    machine(32 << 10, 1 << 20, 32 << 20, 2)
+    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "packed"
     picked = ops().lookup(rows, scores, tables, bias, 256)
     assert torch.equal(picked, ops().lookup_strategy(rows, scores, tables, bias, 256, "packed"))
     assert not torch.equal(picked, ops().lookup_strategy(rows, scores, tables, bias, 256, "embedding_bag"))
+    machine(32 << 10, 1 << 20, 16 << 20, 2)
+    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "bucketed"
+    assert torch.equal(ops().lookup(rows, scores, tables, bias, 256),
+                       ops().lookup_strategy(rows, scores, tables, bias, 256, "bucketed"))
+    machine(32 << 10, 1 << 20, 64 << 20, 2)
+    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "embedding_bag"
+    machine(32 << 10, 1 << 20, 32 << 20, 32)
+    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "embedding_bag"
+    assert ops().plan(16, 64, 256, 512, torch.float32, False) == "token"
+    assert ops().plan(2048, 64, 256, 512, torch.float32, True) == "bucketed"
+
+
+def test_packed_sizes_follow_l2_and_compute_the_same_function(machine):
+    """A 256 KB L2 gives 64 KB packed groups (2 tables of 256 x 32 floats instead of 8) and 512-token chunks: the
+    packed pass then runs 4 chunks and 32 groups per column block and must still give exactly the same output."""
+    rows, scores, tables, bias = hashed_inputs(2048, 64, 8, 512, torch.float32, seed=4)
+    machine(32 << 10, 1 << 20, 32 << 20, 2)
+    reference = ops().lookup_strategy(rows, scores, tables, bias, 256, "packed")
+    machine(32 << 10, 256 << 10, 32 << 20, 2)
+    small = ops().lookup_strategy(rows, scores, tables, bias, 256, "packed")
+    # Same sums per (token, column) in a different grouping of tables: equal up to float32 rounding.
+    assert_forward_matches_oracle(small, rows, scores, tables, bias, torch.float32)
+    assert torch.allclose(small, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_strategy_errors_name_the_problem():

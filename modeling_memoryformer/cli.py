@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import time
 
@@ -42,6 +43,12 @@ def _generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     config = MemoryFormerConfig.from_preset(args.preset, **overrides)
+    tokenizer = None
+    if args.tokenizer:  # before the model is built: a wrong path fails at once, with the fix
+        from .data import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer, hint="Pass --tokenizer a tokenizer folder (with tokenizer.json) or "
+                                   "a Hub id, or leave it out to prompt with random token ids.", pad_with_eos=False)
     print(f"Building MF-{args.preset} (random init): {config.num_hidden_layers} layers, d={config.hidden_size}, "
           f"heads={config.num_attention_heads}, tau={config.hash_bits}, K={config.num_tables}, e={config.expand_bits}")
     start = time.perf_counter()
@@ -51,11 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"  built in {time.perf_counter() - start:.1f} s: {n_params / 1e6:.1f} M parameters, "
           f"{n_tables / 1e6:.1f} M of them in hash tables")
 
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if tokenizer is not None:
         prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
         prompt = torch.randint(0, config.vocab_size, (1, 16))
@@ -131,10 +134,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        # bad input: the message names the problem and the fix; a traceback would only bury it
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, OSError, pickle.UnpicklingError) as error:
+        # bad input: the message names the problem and the fix; a traceback would only bury it. OSError covers a
+        # path the command cannot read or write (FileNotFoundError, NotADirectoryError, PermissionError, ...).
+        print(error_line(error), file=sys.stderr)
         return 2
+
+
+def error_line(error: BaseException) -> str:
+    """`error: <message>` on one line, whatever line breaks the message had."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, OSError) and error.filename is not None and str(error.filename) not in message:
+        message = f"{message}: {error.filename}"
+    if isinstance(error, (NotADirectoryError, PermissionError)) and "Pass" not in message:
+        message += ". Pass a path in a folder you can write to."
+    return f"error: {message}"
 
 
 if __name__ == "__main__":

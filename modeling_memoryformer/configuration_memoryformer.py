@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from transformers.configuration_utils import PreTrainedConfig
@@ -13,6 +14,27 @@ _NORM_TYPES = ("layernorm", "rmsnorm")
 _HASH_SCORES = ("paper", "l1")
 _ATTENTION_OUTPUTS = ("none", "memory")
 _BLOCK_ACTIVATIONS = ("none", "gelu")
+# The fix for each positive-integer and positive-float field, appended to its error message.
+_FIXES = {
+    "vocab_size": "Use the tokenizer's vocabulary size (50304 for Pythia's padded GPT-NeoX vocabulary).",
+    "hidden_size": "Use a positive multiple of hash_bits and num_attention_heads, e.g. 512 (MF-tiny).",
+    "num_hidden_layers": "Use a positive number of blocks, e.g. 6 (MF-tiny).",
+    "num_attention_heads": "Use a positive number of heads that divides hidden_size, e.g. 8 (MF-tiny).",
+    "max_position_embeddings": "Use the longest sequence length the model is meant for, e.g. 2048.",
+    "hash_temperature": "The paper uses 1.0.",
+    "layer_norm_eps": "Use a small positive epsilon such as 1e-5 (the default).",
+    "initializer_range": "Use a small positive std such as 0.02 (the default).",
+    "table_init_std": "Use a small positive std such as 0.02 (the default).",
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or float (not a bool, not a string): the fields below are numbers, whatever a JSON file held."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class MemoryFormerConfig(PreTrainedConfig):
@@ -133,8 +155,8 @@ class MemoryFormerConfig(PreTrainedConfig):
     def _check_hash_shapes(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}. {_FIXES[name]}")
         tau = self.hash_bits
         if not isinstance(tau, int) or isinstance(tau, bool) or not 1 <= tau <= 16:
             detail = ""
@@ -170,17 +192,21 @@ class MemoryFormerConfig(PreTrainedConfig):
         m = self.intermediate_size
         inner_bits = self.hash_bits + self.expand_bits
         if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-            raise ValueError(f"intermediate_size must be a positive integer, got {m!r}.")
+            raise ValueError(
+                f"intermediate_size must be a positive integer, got {m!r}. Leave it unset (None) for the default "
+                f"(hash_bits + expand_bits) * K = {inner_bits * self.num_tables}, or use a positive multiple of "
+                f"{inner_bits}."
+            )
         if m % inner_bits != 0:
             raise ValueError(
                 f"intermediate_size={m} is not divisible by hash_bits + expand_bits = {inner_bits}: the second "
                 f"Memory Layer of the Memory Block hashes it in chunks of {inner_bits} bits. Use a multiple of "
                 f"{inner_bits}, e.g. the default (hash_bits + expand_bits) * K = {inner_bits * self.num_tables}."
             )
-        if not isinstance(self.hash_temperature, (int, float)) or not self.hash_temperature > 0:
-            raise ValueError(
-                f"hash_temperature must be a number > 0, got {self.hash_temperature!r}. The paper uses 1.0."
-            )
+        for name in ("hash_temperature", "layer_norm_eps", "initializer_range", "table_init_std"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or not value > 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}. {_FIXES[name]}")
         enums = {
             "hash_score": (self.hash_score, _HASH_SCORES),
             "norm_type": (self.norm_type, _NORM_TYPES),
@@ -190,14 +216,27 @@ class MemoryFormerConfig(PreTrainedConfig):
         for name, (value, allowed) in enums.items():
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(map(repr, allowed))}.")
-        for name in ("layer_norm_eps", "initializer_range", "table_init_std"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}.")
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
+            if not _is_real(value) or not 0 <= value < 1:  # NaN fails the comparison
+                raise ValueError(
+                    f"{name} must be a number in [0, 1), got {value!r}. Use 0.0 (the default, as Pythia) or a "
+                    "probability below 1 such as 0.1."
+                )
+        for name in ("memory_bias", "use_parallel_residual", "use_cache", "tie_word_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}. Pass a bool, not a string or number.")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
+            if not all(i is None or (_is_int(i) and 0 <= i < self.vocab_size) for i in ids) or not ids:
+                kind = "an integer token id, a list of them or None" if name == "eos_token_id" else (
+                    "an integer token id or None")
+                raise ValueError(
+                    f"{name} must be {kind} in [0, vocab_size={self.vocab_size}), got {value!r}. Use the "
+                    f"tokenizer's {name.removesuffix('_token_id')} token id, or None."
+                )
         rope = self.rope_parameters
         if rope.get("rope_type", "default") != "default":
             raise ValueError(

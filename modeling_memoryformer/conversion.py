@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -38,7 +39,7 @@ from .convert_mapping import (
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
-from .data import load_tokenizer, text_blocks
+from .data import load_tokenizer, refused_checkpoint_message, text_blocks
 
 
 INITS = ("data-free", "calibrated")
@@ -196,6 +197,8 @@ def _load_teacher(settings: ConvertSettings):
         teacher = GPTNeoXForCausalLM.from_pretrained(settings.source, dtype=torch.float32).eval()
     except (OSError, ValueError) as error:
         raise ConversionError(f"Could not load the weights of --from {settings.source!r}: {error}") from error
+    except pickle.UnpicklingError as error:
+        raise ConversionError(refused_checkpoint_message(settings.source, "--from", error)) from error
     location = settings.tokenizer or settings.source
     try:  # optional: only the text options (--tokenizer, --calib-text) need one
         tokenizer = load_tokenizer(location, hint="The text options need one: pass --tokenizer PATH.",
@@ -416,7 +419,7 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         report = convert_pythia(settings)
     except ConversionError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, whatever the cause printed
         return 2
     print(report_markdown(report))
     print(f"Saved the MemoryFormer and its report to {os.path.abspath(settings.out)}")

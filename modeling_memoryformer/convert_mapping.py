@@ -64,6 +64,12 @@ def memoryformer_config_from_gpt_neox(
             f"rope_parameters['rope_type']={rope.get('rope_type')!r} is not supported: MemoryFormer implements only "
             "the default GPT-NeoX rotary embedding. Convert a checkpoint without RoPE scaling."
         )
+    if not isinstance(hash_bits, int) or isinstance(hash_bits, bool) or not 1 <= hash_bits <= 16:
+        raise ConversionError(
+            f"--hash-bits (hash_bits) must be an integer in 1..16, got {hash_bits!r}: each Memory Layer has tables of "
+            f"2**hash_bits rows. Pick one that divides both hidden_size={source.hidden_size} and intermediate_size="
+            f"{source.intermediate_size}; the paper uses 8."
+        )
     for name, size in (("hidden_size", source.hidden_size), ("intermediate_size", source.intermediate_size)):
         if size % hash_bits != 0:
             raise ConversionError(

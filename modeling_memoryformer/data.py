@@ -254,6 +254,20 @@ def load_tokenizer(
     return tokenizer
 
 
+def refused_checkpoint_message(location: str, flag: str, error: BaseException) -> str:
+    """One line for a `.bin` checkpoint that `torch.load(weights_only=True)` refuses (pickle.UnpicklingError): what
+    it holds, and the fix (re-save as safetensors), instead of torch's multi-line advice to unpickle it anyway."""
+    import re
+
+    detail = re.search(r"WeightsUnpickler error: ([^\n]*?)(?: was not an allowed global|\.?\n|$)", str(error))
+    found = f" ({detail.group(1).strip()})" if detail else ""
+    return (
+        f"{flag} {location!r}: its .bin checkpoint holds objects other than tensors{found}, which "
+        "torch.load(weights_only=True) refuses to unpickle. Re-save it as safetensors (load it where you trust its "
+        "source, then model.save_pretrained(folder)) and pass that folder."
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Tokenizing and packing
 

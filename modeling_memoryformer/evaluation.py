@@ -38,6 +38,7 @@ import difflib
 import json
 import math
 import os
+import pickle
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -439,7 +440,7 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"\nperplexity of {args.perplexity}: {result['ppl']:.3f} over {result['tokens']} tokens "
                   f"(context {result['context_length']}, stride {result['stride']}, {result['windows']} windows)")
     except (ValueError, TypeError, FileNotFoundError, ConnectionError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, whatever the cause printed
         return 2
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -456,6 +457,10 @@ def _load_model_and_tokenizer(model_name: str, tokenizer_name: str | None, devic
     except (OSError, ValueError) as error:
         raise ValueError(f"could not load a model from {model_name!r} ({error}); pass a folder written by "
                          "save_pretrained or a Hub id") from error
+    except pickle.UnpicklingError as error:
+        from .data import refused_checkpoint_message
+
+        raise ValueError(refused_checkpoint_message(model_name, "--model", error)) from error
     tokenizer = _load_tokenizer(tokenizer_name or model_name)
     return model.to(device).eval(), tokenizer
 

@@ -187,6 +187,24 @@ class TrainingSettings:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}.")
+        check_output_dir(self.output_dir, "output_dir")
+
+
+def check_output_dir(path, flag: str = "--out") -> None:
+    """A ValueError when `path` cannot become a folder: it is a file, or a file stands where a parent folder should.
+    Checked before any data is read, so that the run does not fail at its first save."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file, not a folder. Pass a folder path (it is created if missing).")
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent, last = os.path.dirname(parent), parent
+        if parent == last:
+            break
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ValueError(
+            f"{flag} {path!r} is under {parent!r}, which is a file, not a folder. Pass a folder path outside it."
+        )
 
 
 @dataclass
@@ -372,6 +390,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     # settings first: bad values fail before any data is read or tokenizer trained
     resume = {"latest": True, None: None}.get(args.resume, args.resume)
+    check_output_dir(args.out, "--out")
     settings = TrainingSettings(
         output_dir=args.out, max_steps=args.max_steps, per_device_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_multiplier=args.lr_multiplier,

@@ -189,3 +189,78 @@ def test_config_save_and_from_pretrained_round_trip(tmp_path):
         assert getattr(loaded, name) == value, name
     assert loaded.intermediate_size == config.intermediate_size
     assert loaded.to_diff_dict() == config.to_diff_dict()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every field: finite where it must be, the right type, a ValueError naming the field and the fix (issue 14)
+@pytest.mark.parametrize("name", ["table_init_std", "hash_temperature", "layer_norm_eps", "initializer_range"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 0.0, -0.02, "0.02", True, None])
+def test_positive_float_fields_must_be_finite_and_positive(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be a finite number > 0, got .*\. .*(default|paper)"):
+        tiny_config(**{name: value})
+
+
+def test_table_init_std_inf_is_rejected_instead_of_giving_nan_logits():
+    with pytest.raises(ValueError, match=r"table_init_std must be a finite number > 0, got inf\. Use .* 0\.02"):
+        tiny_config(table_init_std=float("inf"))
+
+
+@pytest.mark.parametrize("name", ["attention_dropout", "hidden_dropout"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.1, 1.0, "0.1", True])
+def test_dropouts_must_be_probabilities_below_one(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be a number in \[0, 1\), got .*\. Use 0\.0"):
+        tiny_config(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "name", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"]
+)
+@pytest.mark.parametrize("value", ["64", 64.0, True, None])
+def test_integer_fields_reject_strings_floats_and_bools(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got .*\. Use "):
+        tiny_config(**{name: value})
+
+
+@pytest.mark.parametrize("name, value", [("hash_bits", "4"), ("hash_bits", 4.0), ("expand_bits", 2.0),
+                                         ("expand_bits", "2"), ("intermediate_size", 96.0), ("intermediate_size", "96")])
+def test_hash_shape_fields_reject_wrong_types(name, value):
+    with pytest.raises(ValueError, match=rf"{name}"):
+        tiny_config(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["memory_bias", "use_parallel_residual", "use_cache", "tie_word_embeddings"])
+@pytest.mark.parametrize("value", ["false", 0, 1, None])
+def test_flags_must_be_bools(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be True or False, got {value!r}\. Pass a bool"):
+        tiny_config(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["hash_score", "norm_type", "attention_output", "memory_block_activation"])
+@pytest.mark.parametrize("value", [None, 1, ["paper"]])
+def test_choice_fields_reject_non_strings(name, value):
+    with pytest.raises(ValueError, match=rf"{name}=.* is not supported; choose one of"):
+        tiny_config(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["bos_token_id", "eos_token_id", "pad_token_id"])
+@pytest.mark.parametrize("value", ["0", 1.0, -1, 10**9, True])
+def test_token_ids_must_be_ids_in_the_vocabulary(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer token id.*vocab_size=.*Use the tokenizer's"):
+        tiny_config(**{name: value})
+
+
+def test_token_ids_accept_none_and_an_eos_list():
+    config = tiny_config(bos_token_id=None, eos_token_id=[0, 1], pad_token_id=None)
+    assert config.eos_token_id == [0, 1]
+    with pytest.raises(ValueError, match=r"eos_token_id"):
+        tiny_config(eos_token_id=[0, -1])
+
+
+def test_a_config_json_with_a_string_number_is_a_value_error(tmp_path):
+    tiny_config().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    values = json.loads(path.read_text())
+    values["table_init_std"] = "0.02"
+    path.write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=r"table_init_std must be a finite number > 0, got '0\.02'"):
+        MemoryFormerConfig.from_pretrained(tmp_path)

@@ -1,12 +1,11 @@
 """MemoryFormer model configuration."""
 
-from __future__ import annotations
-
 import json
 import math
 import os
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 PRESETS = ("tiny", "small", "base")
@@ -130,12 +129,9 @@ class MemoryFormerConfig(PreTrainedConfig):
         if intermediate_size is None:
             intermediate_size = (hash_bits + expand_bits) * (hidden_size // hash_bits)
         self.intermediate_size = intermediate_size
-        # Rotary: the first 25% of each head's dims, base 10000, as Pythia. Old-style keys are accepted.
-        rope_parameters = dict(rope_parameters or {})
-        rope_parameters.setdefault("rope_type", "default")
-        rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", kwargs.pop("rotary_emb_base", 10000.0)))
-        rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("rotary_pct", 0.25))
-        self.rope_parameters = rope_parameters
+        # Rotary: the first 25% of each head's dims, base 10000, as Pythia. `super().__init__` standardizes it
+        # (`convert_rope_params_to_dict`, as GPTNeoXConfig) and validates it (`validate_rope`, every rope_type).
+        self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         super().__init__(**kwargs)
         self.validate_memoryformer()
 
@@ -237,20 +233,48 @@ class MemoryFormerConfig(PreTrainedConfig):
                     f"{name} must be {kind} in [0, vocab_size={self.vocab_size}), got {value!r}. Use the "
                     f"tokenizer's {name.removesuffix('_token_id')} token id, or None."
                 )
+        self._check_rope_parameters()
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # RoPE, as GPTNeoXConfig: `rope_parameters` = {"rope_type", "rope_theta", "partial_rotary_factor", + the keys of
+    # the type}. transformers' `validate_rope` (run by `PreTrainedConfig.__init__`) checks the keys of each type.
+    def convert_rope_params_to_dict(self, **kwargs):
+        rope_scaling = kwargs.pop("rope_scaling", None)
+        self.rope_parameters = rope_scaling or self.rope_parameters
+        self.rope_parameters = dict(self.rope_parameters) if self.rope_parameters is not None else {}
+        # Old-style keys (Pythia's config.json): rotary_emb_base / rotary_pct; rope_theta / partial_rotary_factor at
+        # the top level are accepted too.
+        theta = kwargs.pop("rope_theta", None)
+        base = kwargs.pop("rotary_emb_base", None)
+        pct = kwargs.pop("rotary_pct", None)
+        factor = kwargs.pop("partial_rotary_factor", None)
+        if theta is None:
+            theta = base if base is not None else self.default_theta
+        if factor is None:
+            factor = pct if pct is not None else 0.25
+        self.rope_parameters.setdefault("rope_theta", theta)
+        self.rope_parameters.setdefault("partial_rotary_factor", factor)
+        self.standardize_rope_params()
+        return kwargs
+
+    def _check_rope_parameters(self) -> None:
+        """What `validate_rope` leaves to the model: a rope_type the model can build, a rotary width that fits the head
+        (an odd or 1-dim width is rounded up to an even one, as GPT-NeoX does), a positive base."""
         rope = self.rope_parameters
-        if rope.get("rope_type", "default") != "default":
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(
-                f"rope_parameters['rope_type']={rope.get('rope_type')!r} is not supported; MemoryFormer uses "
-                "'default' rotary embeddings (GPT-NeoX style)."
+                f"rope_parameters['rope_type']={rope_type!r} is not supported; choose one of "
+                f"{', '.join(map(repr, ['default', *ROPE_INIT_FUNCTIONS]))}."
             )
-        factor = rope.get("partial_rotary_factor", 0.25)
-        if not 0 < factor <= 1 or int(self.head_dim * factor) % 2 != 0:
+        factor = rope.get("partial_rotary_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ValueError(
-                f"rope_parameters['partial_rotary_factor']={factor} must be in (0, 1] and give an even number of "
-                f"rotary dims per head (head_dim={self.head_dim}); Pythia uses 0.25."
+                f"rope_parameters['partial_rotary_factor']={factor!r} must be a number in (0, 1]; Pythia uses 0.25."
             )
-        if not rope.get("rope_theta", 1) > 0:
-            raise ValueError(f"rope_parameters['rope_theta'] must be > 0, got {rope.get('rope_theta')!r}.")
+        theta = rope.get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ValueError(f"rope_parameters['rope_theta'] must be a number > 0, got {theta!r}.")
 
     # ----------------------------------------------------------------------------------------------------------------
     @classmethod

@@ -6,8 +6,6 @@ norm -> Memory Layer -> rotary -> attention -> Memory Block -> decoder layer -> 
 -> ForCausalLM. The only `nn.Linear` in the model is the LM head.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 
 import torch
@@ -19,7 +17,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import dynamic_rope_update
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -157,27 +155,38 @@ class MemoryLayer(nn.Module):
 
 
 class MemoryFormerRotaryEmbedding(nn.Module):
-    """GPT-NeoX rotary embedding on the first `partial_rotary_factor` of each head's dims."""
+    """GPT-NeoX rotary embedding (transformers' `GPTNeoXRotaryEmbedding`) on the first `partial_rotary_factor` of each
+    head's dims: every `rope_type` of `ROPE_INIT_FUNCTIONS` (linear, dynamic, yarn, longrope, llama3, ...) with its
+    `attention_scaling`; "dynamic" and "longrope" update `inv_freq` with the sequence length (`dynamic_rope_update`)."""
 
     inv_freq: torch.Tensor
 
     def __init__(self, config: MemoryFormerConfig, device=None):
         super().__init__()
-        self.config = config
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
-        self.rope_type = config.rope_parameters["rope_type"]
-        inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config, device)
+
+        self.config = config
+
+        self.rope_type = self.config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(self.config, device)
+
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
     @staticmethod
     def compute_default_rope_parameters(config, device=None, **kwargs) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
-        head_dim = config.hidden_size // config.num_attention_heads
-        dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
-        return inv_freq, 1.0
+        partial_rotary_factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * partial_rotary_factor)
+
+        attention_factor = 1.0  # Unused in this type of RoPE
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq.to(device), attention_factor
 
     @torch.no_grad()
     @dynamic_rope_update
@@ -364,7 +373,8 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = True
-    _can_compile_fullgraph = False
+    _supports_context_parallel = False  # not tested across ranks
+    _can_compile_fullgraph = True  # tests/test_capabilities.py: static-cache generate compiled fullgraph == eager
     _can_record_outputs = {
         "hidden_states": MemoryFormerDecoderLayer,
         "attentions": MemoryFormerAttention,

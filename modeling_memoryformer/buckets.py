@@ -345,7 +345,9 @@ def run_buckets(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
             return 2
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    from .checkpoints import load_pretrained_strict
+
+    model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model")
     data = build_lm_data(args.data, args.tokenizer or args.model, block_size=args.block_size)
     if len(data.tokenizer) > model.config.vocab_size:
         raise ValueError(

@@ -97,6 +97,9 @@ def check_settings(settings: ConvertSettings):
         if path is not None and not os.path.isfile(path):
             raise ConversionError(f"{flag} {path!r} is not a file. Pass a plain-text file.")
     _check_positive(settings)
+    from .checkpoints import check_not_nested
+
+    check_not_nested(settings.source, settings.out)  # --overwrite would delete the source
     check_output_folder(settings.out, settings.overwrite)
     source_config = load_source_config(settings.source)
     config = memoryformer_config_from_gpt_neox(source_config, settings.hash_bits, settings.hash_temperature)
@@ -194,7 +197,9 @@ def _load_teacher(settings: ConvertSettings):
     from transformers import GPTNeoXForCausalLM
 
     try:
-        teacher = GPTNeoXForCausalLM.from_pretrained(settings.source, dtype=torch.float32).eval()
+        from .checkpoints import load_pretrained_strict
+
+        teacher = load_pretrained_strict(GPTNeoXForCausalLM, settings.source, "--from", dtype=torch.float32).eval()
     except (OSError, ValueError) as error:
         raise ConversionError(f"Could not load the weights of --from {settings.source!r}: {error}") from error
     except pickle.UnpicklingError as error:

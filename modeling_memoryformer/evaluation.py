@@ -453,7 +453,9 @@ def _load_model_and_tokenizer(model_name: str, tokenizer_name: str | None, devic
     from transformers import AutoModelForCausalLM
 
     try:  # MemoryFormer is registered with the Auto classes: importing this module imported the package
-        model = AutoModelForCausalLM.from_pretrained(model_name)
+        from .checkpoints import load_pretrained_strict
+
+        model = load_pretrained_strict(AutoModelForCausalLM, model_name, "--model")
     except (OSError, ValueError) as error:
         raise ValueError(f"could not load a model from {model_name!r} ({error}); pass a folder written by "
                          "save_pretrained or a Hub id") from error

@@ -22,6 +22,7 @@ import argparse
 import csv
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -87,6 +88,20 @@ class MemoryFormerTrainer(Trainer):
             if f"{prefix}loss" in logs:
                 logs[f"{prefix}perplexity"] = math.exp(min(logs[f"{prefix}loss"], 700.0))
         super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Nothing lost: the completion marker is removed before any file of checkpoint-N is (re)written and written
+        # after the last one, so a write interrupted at any point (kill -9) is never taken for a complete checkpoint.
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from .checkpoints import remove_complete_marker, write_complete_marker
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            remove_complete_marker(folder)
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save and os.path.isdir(folder):
+            write_complete_marker(folder, self.state.global_step)
 
 
 class CSVLogger(TrainerCallback):
@@ -167,7 +182,8 @@ class TrainingSettings:
     save_total_limit: int | None = 2
     report_to: str = "csv"  # "csv", "none", or any Trainer integration ("tensorboard", ...); comma-separated
     seed: int = 0
-    resume_from_checkpoint: str | bool | None = None
+    resume_from_checkpoint: str | bool | None = None  # True: the newest complete checkpoint in output_dir
+    resume_partial: bool = False  # resume from a checkpoint without optimizer/scheduler state (fresh ones)
     save_final_model: bool = True
     progress: bool = True
     extra_arguments: dict = field(default_factory=dict)  # any other TrainingArguments field
@@ -280,20 +296,48 @@ def build_trainer(model: nn.Module, data, settings: TrainingSettings, callbacks=
     )
 
 
-def _check_resume(settings: TrainingSettings) -> None:
+def resolve_resume(settings: TrainingSettings, say=None) -> str | None:
+    """The checkpoint folder to resume from (None: a fresh run). `True` is the newest *complete* checkpoint in
+    output_dir: newer incomplete ones (an interrupted write) are skipped and reported through `say`. A checkpoint
+    without optimizer or scheduler state is an error naming the missing file unless `settings.resume_partial`."""
+    from .checkpoints import IncompleteCheckpointError, checkpoint_problems, latest_complete_checkpoint
+
+    say = say or (lambda message: print(message, file=sys.stderr))
     resume = settings.resume_from_checkpoint
+    if resume is None or resume is False:
+        return None
     if isinstance(resume, str) and not os.path.isdir(resume):
         raise FileNotFoundError(
             f"resume_from_checkpoint={resume!r} is not a folder; pass a checkpoint folder "
             f"(e.g. {os.path.join(settings.output_dir, 'checkpoint-500')}) or True for the latest in output_dir."
         )
     if resume is True:
-        found = [d for d in os.listdir(settings.output_dir) if d.startswith("checkpoint-")] if os.path.isdir(
-            settings.output_dir) else []
-        if not found:
+        folder, skipped = latest_complete_checkpoint(settings.output_dir)
+        for path, problems in skipped:
+            say(f"skipping incomplete checkpoint {path}: {'; '.join(problems)}")
+        if folder is None:
+            if skipped:
+                raise IncompleteCheckpointError(
+                    f"No complete checkpoint-* folder in {settings.output_dir!r} to resume from: "
+                    f"{len(skipped)} incomplete one(s) skipped ({os.path.basename(skipped[0][0])}: "
+                    f"{'; '.join(skipped[0][1])}). Pass one explicitly with --resume PATH "
+                    f"(and --resume-partial if it lacks optimizer or scheduler state), or start a new run."
+                )
             raise FileNotFoundError(
                 f"No checkpoint-* folder in {settings.output_dir!r} to resume from; train with --save-steps first."
             )
+        if skipped:
+            say(f"resuming from {folder}, the newest complete checkpoint")
+        resume = folder
+    problems = checkpoint_problems(resume, require_marker=False, partial=settings.resume_partial)
+    if problems:
+        hint = ("" if settings.resume_partial else
+                " Pass --resume-partial (resume_partial=True) to resume without the missing optimizer/scheduler "
+                "state (a fresh optimizer and schedule)," )
+        raise IncompleteCheckpointError(
+            f"Cannot resume from {resume!r}: {'; '.join(problems)}.{hint} Or pass another checkpoint."
+        )
+    return resume
 
 
 def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> TrainingResult:
@@ -301,11 +345,11 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     tokenizer) to `settings.output_dir` unless `save_final_model=False`. Returns a `TrainingResult`."""
     if len(data.train) == 0 or len(data.validation) == 0:
         raise ValueError("The training data needs at least one training and one validation block.")
-    _check_resume(settings)
+    resume = resolve_resume(settings)
     os.makedirs(settings.output_dir, exist_ok=True)
     timer = StepTimer()
     trainer = build_trainer(model, data, settings, callbacks=[timer, *callbacks])
-    trainer.train(resume_from_checkpoint=settings.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     last = trainer.state.log_history[-2:] if trainer.state.log_history else []
     final = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
     metrics = final[-1] if final else trainer.evaluate()  # the last step may have evaluated already
@@ -378,7 +422,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (resumable)")
     parser.add_argument("--report-to", default="csv", help="csv, tensorboard, none, ... (comma-separated)")
     parser.add_argument("--resume", default=None,
-                        help="checkpoint folder to resume from, or 'latest' for the newest in --out")
+                        help="checkpoint folder to resume from, or 'latest' for the newest complete one in --out")
+    parser.add_argument("--resume-partial", action="store_true",
+                        help="allow resuming from a checkpoint without optimizer/scheduler state (fresh ones)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run in --out (its checkpoints are deleted, its model replaced)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -389,22 +437,28 @@ def run_train(args: argparse.Namespace) -> int:
     from .modeling_memoryformer import MemoryFormerForCausalLM
 
     # settings first: bad values fail before any data is read or tokenizer trained
+    from .checkpoints import check_train_output, checkpoint_folders, load_pretrained_strict
+
     resume = {"latest": True, None: None}.get(args.resume, args.resume)
     check_output_dir(args.out, "--out")
+    check_train_output(args.out, resume, args.overwrite)
     settings = TrainingSettings(
         output_dir=args.out, max_steps=args.max_steps, per_device_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_multiplier=args.lr_multiplier,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, bf16=args.bf16, eval_steps=args.eval_steps,
         logging_steps=args.logging_steps, save_steps=args.save_steps, report_to=args.report_to, seed=args.seed,
-        resume_from_checkpoint=resume,
+        resume_from_checkpoint=resume, resume_partial=args.resume_partial,
     )
+    if resume:
+        resolve_resume(settings, say=lambda message: None)  # before any data is read; train() reports skips
+    # before any data is read: a damaged --model (missing or unexpected tensors) fails at once, naming them
+    model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model") if args.model else None
     # a saved model keeps its own tokenizer: a freshly trained BPE would not match its embeddings
     tokenizer = args.tokenizer or args.model
     data = build_lm_data(args.data, tokenizer, block_size=args.block_size, vocab_size=args.vocab_size,
                          text_column=args.text_column)
     set_seed(args.seed)
     if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model)
         if model.config.vocab_size < len(data.tokenizer):
             raise ValueError(f"The model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                              f"({len(data.tokenizer)}); pass the model's own tokenizer with --tokenizer.")
@@ -418,6 +472,12 @@ def run_train(args: argparse.Namespace) -> int:
     say(f"{data.description}: {data.num_train_tokens:,} training / {data.num_validation_tokens:,} validation "
           f"tokens; {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
           f"lr {settings.learning_rate or default_learning_rate(model, settings.lr_multiplier):g}")
+    if args.overwrite and not resume:
+        # the earlier run's checkpoints would otherwise mix with this run's (and --resume latest could pick them)
+        import shutil
+
+        for folder in checkpoint_folders(args.out):
+            shutil.rmtree(folder)
     result = train(model, data, settings)
     say(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; "
           f"{result.train_tokens_per_second:,.0f} training tokens/s; model saved to {args.out}")

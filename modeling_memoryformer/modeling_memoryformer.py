@@ -451,6 +451,12 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [batch, seq, hidden]
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            raise ValueError(
+                f"The input holds no tokens to run: {'input_ids' if input_ids is not None else 'inputs_embeds'} has "
+                f"shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}; pass at least one token "
+                "per sequence, as [batch, seq_len] ids or [batch, seq_len, hidden_size] embeddings."
+            )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:

@@ -56,3 +56,17 @@ def test_a_malformed_gradient_pool_setting_is_an_error(monkeypatch):
         memory_ops._check_pool_setting()
     monkeypatch.setenv("MEMORYFORMER_GRAD_POOL_MB", "0")
     memory_ops._check_pool_setting()
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (2, 0)])
+def test_an_input_without_tokens_is_a_clear_error(kernel, shape):
+    """[batch, 0] ids (and the embeddings of them) raise a ValueError naming the input and its shape, on both kernels,
+    instead of a reshape error from deep inside attention."""
+    from conftest import tiny_model
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"input_ids has shape \(\d, 0\); pass at least one token"):
+        model(torch.zeros(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(\d, 0, 64\)"):
+        model(inputs_embeds=torch.zeros(*shape, 64))
+    assert model(torch.ones(shape[0], 1, dtype=torch.long)).logits.shape == (shape[0], 1, 128)

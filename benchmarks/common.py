@@ -340,7 +340,10 @@ def environment() -> dict:
     import transformers
 
     from modeling_memoryformer import memory_ops
+    from modeling_memoryformer.kernel_report import load_kernel_timed
 
+    # first: builds/loads the fused kernel (once per process) before anything is timed, and reports how long it took
+    kernel_build_load_seconds = round(load_kernel_timed(), 3)
     dirty = _git("status", "--porcelain", "--", "modeling_memoryformer", "configuration", "pyproject.toml")
     try:
         import hashlib
@@ -365,6 +368,7 @@ def environment() -> dict:
         "total_memory_gb": round((total_memory_bytes() or 0) / GB, 1),
         "available_memory_gb": round(available_memory_bytes() / GB, 1),
         "kernels_available": memory_ops.available_kernels(),
+        "kernel_build_load_seconds": kernel_build_load_seconds,  # one-time, not in any timing
         **fused_kernel_facts(),
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "package_dirty": bool(dirty),

@@ -457,6 +457,9 @@ def _rss_worker(job: dict) -> None:
         set_kernel(job["kernel"])
         if get_kernel() != job["kernel"]:
             raise RuntimeError(f"kernel {job['kernel']!r} requested, {get_kernel()!r} active")
+    from modeling_memoryformer.kernel_report import load_kernel_timed
+
+    load_kernel_timed()  # the one-time kernel build/load: not in worker_s
     rss_import = current_rss_bytes()
     t0 = time.perf_counter()
     model = build_model(job["model"], job["preset"], spec)

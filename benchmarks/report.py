@@ -126,6 +126,8 @@ def markdown(results: dict) -> str:
         f"| CPU | {meta['cpu']} ({flags}); {meta['total_memory_gb']} GB RAM |",
         f"| code | git {meta.get('git_commit')}{dirty} |",
         f"| Memory Layer kernels | {', '.join(meta['kernels_available'])}{_fused_line(meta)} |",
+        *([f"| kernel build/load | {meta['kernel_build_load_seconds']:.1f} s, once, before and not in any timing |"]
+          if meta.get("kernel_build_load_seconds") is not None else []),
         "",
         "**Method.** Every number is the median of timed repeats taken in one process, round-robin across the",
         "contestants of a cell (repeat r runs every contestant once, starting at contestant r mod n, so drift hits",

@@ -39,7 +39,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     from . import MemoryFormerForCausalLM
     from .flops import comparison_table, layer_memory_table
+    from .kernel_report import run_facts, run_facts_line
 
+    print(run_facts_line(run_facts()))  # loads (builds) the kernel first: not inside any timing below
     torch.manual_seed(args.seed)
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     config = MemoryFormerConfig.from_preset(args.preset, **overrides)

@@ -183,8 +183,12 @@ def convert_pythia(settings: ConvertSettings) -> dict:
     _, config = check_settings(settings)
     teacher, tokenizer = _load_teacher(settings)
     data = _load_data(settings, tokenizer)
+    from .kernel_report import run_facts
+
+    facts = run_facts()  # loads (builds) the Memory Layer kernel before any stage is timed
     torch.manual_seed(settings.seed)
     report = {"source": settings.source, "settings": asdict(settings), "init": settings.resolved_init, "stages": {}}
+    report["run"] = facts  # the kernel that ran, the CPU and its vector features, versions, kernel build/load time
     report["data"] = {name: int(ids.numel()) for name, ids in data.items()}
     report["config"] = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
                                                         "hash_bits", "num_tables", "hash_temperature")}
@@ -335,7 +339,11 @@ def write_report(report: dict, folder: str) -> None:
 def report_markdown(report: dict) -> str:
     """The summary: held-out perplexity per stage, then the relative error of every Memory Layer per stage."""
     stages = report["stages"]
+    from .kernel_report import run_facts_line
+
     lines = [f"# Conversion of `{report['source']}` ({report['init']} init)", ""]
+    if report.get("run"):
+        lines += [run_facts_line(report["run"]), ""]
     teacher = stages.get("teacher", {}).get("perplexity")
     if teacher is None:
         return "\n".join(lines + ["No held-out text was given: no perplexity or per-layer errors measured.", ""])

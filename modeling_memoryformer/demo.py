@@ -176,10 +176,12 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     from .convert_evaluate import perplexity
     from .data import build_lm_data
     from .flops import per_block_flops, pythia_block_flops
+    from .kernel_report import run_facts
     from .modeling_memoryformer import MemoryFormerForCausalLM
     from .training import default_learning_rate
     from .twin import pythia_twin
 
+    facts = run_facts()  # loads (builds) the Memory Layer kernel before anything is trained or timed
     data = build_lm_data(settings.data, settings.tokenizer, block_size=settings.block_size,
                          vocab_size=settings.vocab_size, progress=settings.progress)
     tokenizer = data.tokenizer
@@ -241,6 +243,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
         "bucket_entropy": {"min": min(entropies.values()), "mean": sum(entropies.values()) / len(entropies),
                            "tables": len(entropies)},
         "memoryformer_config": mf_config.to_dict(),
+        "run": facts,  # the kernel that ran, the CPU and its vector features, versions, the kernel build/load time
     }
     with open(os.path.join(work, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
@@ -255,6 +258,8 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
 
 def format_report(summary: dict) -> str:
     """The markdown table of `summary` (what the demo prints and writes to report.md)."""
+    from .kernel_report import run_facts_line
+
     models = summary["models"]
     mf, twin = models["MemoryFormer"], models["Pythia twin"]
     rows = [
@@ -273,6 +278,7 @@ def format_report(summary: dict) -> str:
     lines = [
         "# MemoryFormer vs its Pythia-shaped twin",
         "",
+        *([run_facts_line(summary["run"]), ""] if summary.get("run") else []),
         f"Data: {summary['data']}; {summary['train_tokens']:,} training tokens each "
         f"({settings['max_steps']} steps x {settings['batch_size']} x {settings['block_size']}), "
         f"{summary['validation_tokens']:,} validation tokens. FLOPs at sequence length {settings['block_size']}.",

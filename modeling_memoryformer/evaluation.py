@@ -426,8 +426,12 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ValueError("--model is required: the folder or Hub id of the model to evaluate")
         if args.perplexity and not Path(args.perplexity).is_file():
             raise FileNotFoundError(f"--perplexity {args.perplexity!r}: no such text file")
+        from .kernel_report import run_facts, run_facts_line
+
+        facts = run_facts()  # loads (builds) the Memory Layer kernel before any evaluation
+        print(run_facts_line(facts))
         model, tokenizer = _load_model_and_tokenizer(args.model, args.tokenizer, args.device)
-        report: dict[str, Any] = {"model": args.model}
+        report: dict[str, Any] = {"model": args.model, "run": facts}
         if tasks:
             report["harness"] = evaluate_tasks(model, tokenizer, tasks, num_fewshot=args.num_fewshot,
                                                batch_size=args.batch_size, limit=args.limit,

@@ -408,3 +408,120 @@ def run_kernels(args: argparse.Namespace) -> int:
     report = collect(config, args.tokens, args.dtype, cache_sizes, preset=args.preset)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What every report states: the kernel that ran, the CPU, the versions, and the one-time kernel build/load
+
+_load_seconds: float | None = None  # of the first load_kernel_timed() call in this process
+_load_error: str | None = None
+
+
+def load_kernel_timed() -> float:
+    """Build (the first time) and load the fused kernel now, before anything is timed; the seconds it took.
+
+    Commands call this before their timed work, so that no timing absorbs the one-time build. The seconds are those of
+    the first call in this process (later calls return them again without loading): close to 0 when the extension
+    was already built (cached on disk) or already loaded. With MEMORYFORMER_KERNEL=torch nothing is built (0 s).
+    A kernel that cannot be used is not an error here: the fallback (or MEMORYFORMER_REQUIRE_FUSED's error) is
+    recorded and reported by `run_facts`.
+    """
+    global _load_seconds, _load_error
+    if _load_seconds is None:
+        import time
+        import warnings
+
+        from . import memory_ops
+
+        start = time.perf_counter()
+        if memory_ops._kernel_choice != "torch":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    memory_ops.load_fused_kernels()
+                except (RuntimeError, ValueError) as error:
+                    _load_error = str(error)
+            for warning in caught:  # keep the fallback warning visible, once
+                if not issubclass(warning.category, RuntimeWarning):
+                    continue
+                _load_error = _load_error or str(warning.message)
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        _load_seconds = time.perf_counter() - start
+    return _load_seconds
+
+
+def _package_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def run_facts() -> dict:
+    """The facts every report states (JSON-ready): the Memory Layer kernel in use and, when the fused kernel is
+    loaded, its vector layer and -march; the CPU and its vector features; caches and threads; the versions; and the
+    one-time kernel build/load seconds, which no timing includes (this loads the kernel first, via
+    `load_kernel_timed`)."""
+    import sys
+
+    import torch
+    import transformers
+
+    from . import memory_ops
+
+    load_s = load_kernel_timed()
+    try:
+        kernel, kernel_error = memory_ops.get_kernel(), None
+    except (ValueError, RuntimeError) as error:
+        kernel, kernel_error = None, str(error)
+    fused_loaded = memory_ops._fused_state is True
+    info = machine_info() if fused_loaded else None
+    if info is not None:
+        caches = {"l1d_bytes": info["l1d_bytes"], "l2_bytes": info["l2_bytes"], "l3_bytes": info["l3_bytes"],
+                  "source": "kernel"}
+    else:
+        l1, l2, l3 = detected_cache_sizes()
+        caches = {"l1d_bytes": l1, "l2_bytes": l2, "l3_bytes": l3, "source": "os"}
+    return {
+        "memory_layer_kernel": kernel,  # "fused" or "torch" (None: the setting cannot be honoured, see the error)
+        "kernel_setting": memory_ops._kernel_choice,
+        "kernel_error": kernel_error,
+        "fused_kernel_loaded": fused_loaded,
+        "fused_kernel_isa": str(_ops().isa()) if fused_loaded and _has_op("isa") else None,
+        "fused_kernel_march": os.environ.get("MEMORYFORMER_KERNEL_MARCH", "native") if fused_loaded else None,
+        "fused_kernel_unavailable_reason": None if fused_loaded else (
+            _load_error or memory_ops._fused_error
+            or ("not loaded: MEMORYFORMER_KERNEL=torch" if memory_ops._kernel_choice == "torch" else None)),
+        "cpu_model": cpu_model(),
+        "cpu_arch": platform.machine(),
+        "cpu_features": cpu_features(),
+        "caches": caches,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version() or sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "memoryformer": _package_version(),
+        "kernel_build_load_seconds": round(load_s, 3),
+    }
+
+
+def run_facts_line(facts: dict | None = None) -> str:
+    """`run_facts` on one line, for the top of a printed or written report."""
+    facts = run_facts() if facts is None else facts
+    kernel = facts["memory_layer_kernel"]
+    if kernel == "fused":
+        what = f"fused ({facts['fused_kernel_isa'] or 'unknown vector layer'}, -march={facts['fused_kernel_march']})"
+    elif kernel == "torch":
+        reason = facts["fused_kernel_unavailable_reason"]
+        if facts["kernel_setting"] == "torch":
+            what = "torch (MEMORYFORMER_KERNEL=torch)"
+        elif reason:
+            what = f"torch (the fused kernel is not available: {' '.join(reason.split())[:160]})"
+        else:
+            what = "torch"
+    else:
+        what = f"none ({' '.join(str(facts['kernel_error']).split())[:160]})"
+    features = " ".join(facts["cpu_features"]) or "no tracked vector features"
+    return (f"Memory Layer kernel: {what}, CPU {facts['cpu_model']} ({features}), {facts['threads']} threads, "
+            f"Python {facts['python']}, torch {facts['torch']}, transformers {facts['transformers']}, "
+            f"memoryformer {facts['memoryformer']}; kernel build/load {facts['kernel_build_load_seconds']:.1f} s "
+            "(not in the timings)")

@@ -394,6 +394,8 @@ def test_calibrated_command_reports_every_stage(teacher_with_tokenizer, tmp_path
     assert conversion.run_convert(args) == 0
     report = json.loads((out / "conversion_report.json").read_text())
     assert list(report["stages"]) == ["teacher", "random_init", "random_tables", "data_free", "calibrated", "distilled"]
+    assert report["run"]["memory_layer_kernel"] in ("fused", "torch") and report["run"]["cpu_model"]
+    assert "Memory Layer kernel: " in (out / "conversion_report.md").read_text()
     assert all(stage["perplexity"] > 1 for stage in report["stages"].values())
     calibrated, data_free = report["stages"]["calibrated"], report["stages"]["data_free"]
     for block_c, block_d in zip(calibrated["layer_errors"], data_free["layer_errors"]):

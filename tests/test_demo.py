@@ -82,3 +82,12 @@ def test_existing_report_is_not_clobbered_and_failures_leave_nothing(tmp_path, d
     with pytest.raises(FileNotFoundError, match="eval-text"):
         run_demo(DemoSettings(out=str(fresh), eval_text=str(tmp_path / "missing.txt"), **TINY_DEMO))
     assert not fresh.exists() and not [p.name for p in tmp_path.iterdir() if "incomplete" in p.name]
+
+
+def test_summary_and_report_state_the_kernel_cpu_and_versions(demo):
+    out, summary = demo
+    run = json.loads((out / "summary.json").read_text())["run"]
+    assert run == summary["run"]
+    assert run["memory_layer_kernel"] in ("fused", "torch") and run["cpu_model"] and run["torch"]
+    assert run["kernel_build_load_seconds"] >= 0
+    assert "Memory Layer kernel: " in (out / "report.md").read_text().splitlines()[2]

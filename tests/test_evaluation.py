@@ -382,6 +382,7 @@ def test_eval_command_runs_tasks_and_perplexity_from_a_saved_model_and_writes_js
     assert code == 0
     report = json.loads(out.read_text())
     assert report["harness"]["tasks"]["certain_right"]["acc"] == 1.0
+    assert report["run"]["memory_layer_kernel"] in ("fused", "torch") and report["run"]["torch"] == torch.__version__
     expected = perplexity(model, tokenizer, text, context_length=16, stride=8)
     assert report["perplexity"]["nll_sum"] == pytest.approx(expected["nll_sum"], rel=1e-6)
     assert (report["perplexity"]["tokens"], report["perplexity"]["stride"]) == (29, 8)

@@ -190,15 +190,14 @@ def kernel_status() -> dict:
     from . import memory_ops
 
     reason = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warning: the report prints its reason itself
         try:
             loaded = memory_ops.load_fused_kernels()
         except (RuntimeError, ValueError) as error:  # MEMORYFORMER_REQUIRE_FUSED=1, or a malformed setting
             loaded, reason = False, str(error)
-    if not loaded and reason is None:
-        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        reason = messages[0] if messages else (memory_ops._fused_error or "the build failed earlier in this process")
+    if not loaded and reason is None:  # the fallback warning (silenced here: the report prints it) carries this
+        reason = memory_ops._fused_error or "the build failed earlier in this process"
     try:
         selected, selection_error = memory_ops.get_kernel(), None
     except (ValueError, RuntimeError) as error:
@@ -423,29 +422,22 @@ def load_kernel_timed() -> float:
     Commands call this before their timed work, so that no timing absorbs the one-time build. The seconds are those of
     the first call in this process (later calls return them again without loading): close to 0 when the extension
     was already built (cached on disk) or already loaded. With MEMORYFORMER_KERNEL=torch nothing is built (0 s).
-    A kernel that cannot be used is not an error here: the fallback (or MEMORYFORMER_REQUIRE_FUSED's error) is
-    recorded and reported by `run_facts`.
+    A kernel that cannot be used is not an error here: the fallback warns as usual (its reason stays in
+    memory_ops._fused_error), MEMORYFORMER_REQUIRE_FUSED's error or a malformed setting is kept in _load_error, and
+    `run_facts` reports either.
     """
     global _load_seconds, _load_error
     if _load_seconds is None:
         import time
-        import warnings
 
         from . import memory_ops
 
         start = time.perf_counter()
         if memory_ops._kernel_choice != "torch":
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    memory_ops.load_fused_kernels()
-                except (RuntimeError, ValueError) as error:
-                    _load_error = str(error)
-            for warning in caught:  # keep the fallback warning visible, once
-                if not issubclass(warning.category, RuntimeWarning):
-                    continue
-                _load_error = _load_error or str(warning.message)
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            try:
+                memory_ops.load_fused_kernels()
+            except (RuntimeError, ValueError) as error:
+                _load_error = str(error)
         _load_seconds = time.perf_counter() - start
     return _load_seconds
 

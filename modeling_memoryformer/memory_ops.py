@@ -261,6 +261,34 @@ def memory_lookup(
     return _gather_accumulate(rows, scores, tables, bias)
 
 
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; the fused kernel's few-row pass where it applies: at most `linear_rows_max()`
+    rows (tokens) of float32 input on the CPU with no gradient to record, i.e. the LM head while decoding.
+
+    That pass reads each weight row once for all rows, over threads and with enough independent FMA chains to stream
+    the weight at memory speed; BLAS's GEMV (what F.linear calls for one row) ran at about a third of that speed on
+    the AMD EPYC measured (see benchmarks/). Same maths, float32 accumulation in another order.
+    """
+    rows = x.numel() // max(1, x.shape[-1])
+    records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and 1 <= rows <= _LINEAR_ROWS_MAX
+        and x.shape[-1] == weight.shape[-1]
+        and weight.is_contiguous()
+        and not records_grad
+        and _use_fused(weight)
+    ):
+        y = torch.ops.memoryformer_cpu.linear_rows(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+_LINEAR_ROWS_MAX = 4  # kLinearMaxRows of the C++ kernel (its op linear_rows_max() says the same; a test checks)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The fused CPU kernels (C++ in csrc/memoryformer_cpu.cpp, carried as the string CPP_SOURCE of memory_kernel_source.py),
 # built with torch.utils.cpp_extension at first use and cached in the extension build root (TORCH_EXTENSIONS_DIR,
@@ -682,6 +710,10 @@ def _register_autograd_and_fake() -> None:
     @torch.library.register_fake("memoryformer_cpu::lookup")
     def _lookup_fake(rows, scores, tables, bias, rows_per_table):
         return tables.new_empty((rows.shape[0], tables.shape[1]))
+
+    @torch.library.register_fake("memoryformer_cpu::linear_rows")
+    def _linear_rows_fake(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("memoryformer_cpu::lookup_backward")
     def _lookup_backward_fake(grad_out, rows, scores, tables, rows_per_table, need_tables, need_scores):

@@ -27,6 +27,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_memoryformer import MemoryFormerConfig
 from .memory_ops import (
     HASH_SCORES,
+    few_rows_linear,
     hash_codes,
     hash_scores,
     memory_lookup,
@@ -486,6 +487,14 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
+class MemoryFormerLMHead(nn.Linear):
+    """The LM head: an `nn.Linear` (same parameters, hooks, PEFT and quantisation as one) whose forward reads the
+    weight with the fused few-row pass while decoding (`memory_ops.few_rows_linear`), where BLAS's GEMV is slow."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return few_rows_linear(hidden_states, self.weight, self.bias)
+
+
 class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -493,7 +502,7 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = MemoryFormerModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # the model's only dense layer
+        self.lm_head = MemoryFormerLMHead(config.hidden_size, config.vocab_size, bias=False)  # the only dense layer
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:

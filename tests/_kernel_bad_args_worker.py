@@ -436,6 +436,41 @@ def group_planning(ops, c: Calls) -> None:
     c.add("set_cache_sizes(0, 0, 0) again", "ok", lambda: ops.set_cache_sizes(0, 0, 0))
 
 
+def group_linear_rows(ops, c: Calls) -> None:
+    g = torch.Generator().manual_seed(5)
+    most = ops.linear_rows_max()
+    w = torch.randn(37, 21, generator=g)  # 21 columns: a vector body and a scalar tail on every vector width
+    b = torch.randn(37, generator=g)
+
+    def check(x, bias):
+        want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        return lambda out: _close(out, want, 1e-5)
+
+    for m in range(1, most + 1):
+        x = torch.randn(m, 21, generator=g)
+        c.add(f"{m} rows", "ok", lambda x=x: ops.linear_rows(x, w, None), check(x, None))
+        c.add(f"{m} rows with bias", "ok", lambda x=x: ops.linear_rows(x, w, b), check(x, b))
+    x = torch.randn(1, 21, generator=g)
+    c.add(f"{most + 1} rows", "raise", lambda: ops.linear_rows(torch.randn(most + 1, 21), w, None))
+    c.add("0 rows", "raise", lambda: ops.linear_rows(torch.randn(0, 21), w, None))
+    c.add("x 1-D", "raise", lambda: ops.linear_rows(x[0], w, None))
+    c.add("x 3-D", "raise", lambda: ops.linear_rows(x[None], w, None))
+    c.add("weight 1-D", "raise", lambda: ops.linear_rows(x, w[0], None))
+    c.add("weight of another width", "raise", lambda: ops.linear_rows(x, torch.randn(37, 20), None))
+    c.add("bias of another length", "raise", lambda: ops.linear_rows(x, w, torch.randn(36)))
+    c.add("bias 2-D", "raise", lambda: ops.linear_rows(x, w, b[None]))
+    for dtype in (torch.float64, torch.bfloat16, torch.int64):
+        c.add(f"x {dtype}", "raise", lambda d=dtype: ops.linear_rows(x.to(d), w, None))
+        c.add(f"weight {dtype}", "raise", lambda d=dtype: ops.linear_rows(x, w.to(d), None))
+        c.add(f"bias {dtype}", "raise", lambda d=dtype: ops.linear_rows(x, w, b.to(d)))
+    c.add("weight non-contiguous", "raise", lambda: ops.linear_rows(x, torch.randn(21, 37).t(), None))
+    c.add("x non-contiguous", "raise", lambda: ops.linear_rows(torch.randn(21, 2).t(), w, None))
+    c.add("weight with 0 rows", "ok", lambda: ops.linear_rows(x, w[:0], None),
+          lambda out: None if out.shape == (1, 0) else f"shape {tuple(out.shape)}")
+    c.add("0 columns", "ok", lambda: ops.linear_rows(torch.randn(2, 0), torch.randn(5, 0), None),
+          lambda out: _close(out, torch.zeros(2, 5), 0))
+
+
 REQUIRED_OPS = {  # the ops a group calls; a kernel without one of them fails the group once, not per call
     "hash": ("hash",),
     "hash_backward": ("hash_backward",),
@@ -443,6 +478,7 @@ REQUIRED_OPS = {  # the ops a group calls; a kernel without one of them fails th
     "lookup_strategy": ("lookup_strategy",),
     "lookup_backward": ("lookup_backward",),
     "planning": ("isa", "machine_info", "set_cache_sizes", "plan", "release_gradient_pool"),
+    "linear_rows": ("linear_rows", "linear_rows_max"),
 }
 
 GROUPS = {
@@ -452,6 +488,7 @@ GROUPS = {
     "lookup_strategy": group_lookup_strategy,
     "lookup_backward": group_lookup_backward,
     "planning": group_planning,
+    "linear_rows": group_linear_rows,
 }
 
 

@@ -123,6 +123,20 @@ def test_hash_and_its_backward_equal_the_float64_formulation(variant, dtype, sco
         torch.testing.assert_close(grad_x.double(), expected_grad, rtol=rtol, atol=rtol * expected_grad.abs().max())
 
 
+def test_few_rows_linear_equals_the_float64_product(variant):
+    ops = runnable(variant)
+    g = torch.Generator().manual_seed(4)
+    for rows in range(1, ops.linear_rows_max() + 1):
+        for out_features, in_features in [(1, 1), (7, 37), (1001, 512), (64, 48)]:  # tails below one vector, odd rows
+            x = torch.randn(rows, in_features, generator=g)
+            w = torch.randn(out_features, in_features, generator=g)
+            b = torch.randn(out_features, generator=g)
+            y = ops.linear_rows(x, w, b)
+            expected = x.double() @ w.double().T + b.double()
+            scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+            assert_close_scaled(y, expected, scale, torch.float32)
+
+
 AARCH64_CXX = "aarch64-linux-gnu-g++"
 
 

@@ -1,0 +1,118 @@
+"""The LM head's few-row pass (`memory_ops.few_rows_linear`): the fused kernel's `linear_rows` while decoding, F.linear
+everywhere else.
+
+Oracle: the float64 product x W^T + b. The tests check where the fused pass runs (the profiler names the op) and where
+it must not (more rows than the kernel takes, a gradient to record, float64, the PyTorch kernel), and that a model's
+logits and generated tokens are the same either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import require_kernel
+from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM, memory_ops
+from modeling_memoryformer.modeling_memoryformer import MemoryFormerLMHead
+
+
+@pytest.fixture(autouse=True)
+def fused_kernel():
+    require_kernel("fused")
+
+
+def ran_fused(fn) -> tuple[torch.Tensor, bool]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, any(e.key == "memoryformer_cpu::linear_rows" for e in prof.key_averages())
+
+
+def oracle(x, w, b):
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+def test_the_python_limit_is_the_kernels():
+    assert memory_ops._LINEAR_ROWS_MAX == torch.ops.memoryformer_cpu.linear_rows_max()
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (1, 1, 512), (2, 2, 512), (4, 512), (3, 1, 512)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_rows_take_the_fused_pass_and_equal_the_product(shape, with_bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(1003, 512, generator=g)
+    b = torch.randn(1003, generator=g) if with_bias else None
+    y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, w, b))
+    assert fused
+    assert y.shape == (*shape[:-1], 1003) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), oracle(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_other_inputs_take_f_linear_with_its_exact_result():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 64, generator=g)
+    many = torch.randn(1, memory_ops._LINEAR_ROWS_MAX + 1, 64, generator=g)
+    y, fused = ran_fused(lambda: memory_ops.few_rows_linear(many, w))
+    assert not fused and torch.equal(y, F.linear(many, w))
+    x64, w64 = torch.randn(1, 64, dtype=torch.float64), w.double()
+    y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x64, w64))
+    assert not fused and torch.equal(y, F.linear(x64, w64))
+    x = torch.randn(1, 64, generator=g)
+    with memory_ops.use_kernel("torch"):
+        y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, w))
+    assert not fused and torch.equal(y, F.linear(x, w))
+    strided = torch.randn(64, 300, generator=g).t()  # a non-contiguous weight
+    y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, strided))
+    assert not fused and torch.equal(y, F.linear(x, strided))
+
+
+def test_a_gradient_to_record_takes_f_linear_and_gets_its_gradients():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    x = torch.randn(1, 16, generator=g, requires_grad=True)
+    y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, w))
+    assert not fused and y.requires_grad
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, w.detach().sum(0, keepdim=True))
+    torch.testing.assert_close(w.grad, x.detach().expand(50, 16))
+    with torch.no_grad():
+        _, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, w))
+    assert fused
+
+
+def tiny_model():
+    config = MemoryFormerConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                hash_bits=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return MemoryFormerForCausalLM(config).eval()
+
+
+def test_the_model_head_is_an_nn_linear_that_decodes_with_the_fused_pass():
+    model = tiny_model()
+    assert isinstance(model.lm_head, MemoryFormerLMHead) and isinstance(model.lm_head, torch.nn.Linear)
+    ids = torch.randint(0, 257, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, fused = ran_fused(lambda: model(ids, logits_to_keep=1))
+        full = model(ids)  # 9 positions: F.linear
+    assert fused
+    hidden = model.model(ids).last_hidden_state[:, -1:].detach()
+    torch.testing.assert_close(out.logits.double(), oracle(hidden, model.lm_head.weight.detach(), None),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits, full.logits[:, -1:], rtol=1e-5, atol=1e-5)
+
+
+def test_generate_gives_the_same_tokens_with_either_head_pass():
+    model = tiny_model()
+    ids = torch.randint(0, 257, (2, 5), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    fused_tokens, fused = ran_fused(lambda: model.generate(ids, **kwargs))
+    assert fused
+
+    def plain_head(hidden_states):
+        return F.linear(hidden_states, model.lm_head.weight)
+
+    model.lm_head.forward = plain_head
+    plain_tokens = model.generate(ids, **kwargs)
+    assert torch.equal(fused_tokens, plain_tokens)

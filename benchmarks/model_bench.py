@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -89,8 +90,13 @@ def mf_label(preset: str) -> str:
     return f"MF-{preset}"
 
 
+FEW_ROW = "few-row"  # the twin with every nn.Linear on the fused few-row pass (decode only): the fastest dense decode
+
+
 def contestant_name(preset: str, kind: str, kernel: str | None) -> str:
-    return TWINS[preset][0] if kind == "twin" else f"{mf_label(preset)} [{kernel}]"
+    if kind == "twin":
+        return TWINS[preset][0] + (" [few-row linears]" if kernel == FEW_ROW else "")
+    return f"{mf_label(preset)} [{kernel}]"
 
 
 def model_config(kind: str, preset: str, spec: ModelSpec):
@@ -228,12 +234,31 @@ def workload_fn(model, workload: str, spec: ModelSpec, optimizer=None):
     raise ValueError(f"unknown workload {workload!r}")
 
 
-def _context(kernel: str | None, workload: str):
+@contextlib.contextmanager
+def few_row_linears(model):
+    """Every nn.Linear of `model` computes with `memory_ops.few_rows_linear` (the fused kernel's few-row pass for up
+    to 4 rows without autograd, as MemoryFormer's LM head does; F.linear otherwise) while inside."""
+    from modeling_memoryformer.memory_ops import few_rows_linear
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        m.forward = functools.partial(few_rows_linear, weight=m.weight, bias=m.bias)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+def _context(kernel: str | None, workload: str, model=None):
     from modeling_memoryformer.memory_ops import use_kernel
 
     def ctx():
         stack = contextlib.ExitStack()
-        if kernel is not None:
+        if kernel == FEW_ROW:
+            stack.enter_context(use_kernel("fused"))
+            stack.enter_context(few_row_linears(model))
+        elif kernel is not None:
             stack.enter_context(use_kernel(kernel))
         if workload != "train":
             stack.enter_context(torch.inference_mode())
@@ -272,6 +297,8 @@ def run(spec: ModelSpec, log=print) -> dict:
     per_workload = n_contestants * (max(1, spec.warmup) + spec.repeats)
     rss_jobs = len([w for w in spec.workloads if w in (spec.rss_workloads or spec.workloads)]) if spec.rss else 0
     total = len(spec.presets) * (len(spec.workloads) * per_workload + rss_jobs * n_contestants)
+    if "fused" in kernels and "decode" in spec.workloads:  # the twin with few-row linears, at decode
+        total += len(spec.presets) * (max(1, spec.warmup) + spec.repeats)
     bar = make_progress(total, "model")
     say = bar.write
     models, rows, rss_rows = {}, [], []
@@ -303,6 +330,8 @@ def run(spec: ModelSpec, log=print) -> dict:
 def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, say) -> list[dict]:
     rows = []
     kinds = [("mf", k) for k in kernels] + [("twin", None)]
+    if "fused" in kernels and "decode" in spec.workloads:
+        kinds.append(("twin", FEW_ROW))
 
     def record(workload, kind, kernel, status, c=None, tokens=None):
         row = {
@@ -355,6 +384,8 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
         contestants, meta = [], []
         optimizers = {}
         for kind, kernel in kinds:
+            if kernel == FEW_ROW and workload != "decode":
+                continue  # the few-row pass runs at decode only: elsewhere this contestant is the twin
             reason = fits[workload][kind]
             if reason is not None:
                 record(workload, kind, kernel, reason)
@@ -367,7 +398,7 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
                 optimizer = optimizers.setdefault(kind, _optimizer(model, spec))
             fn, tokens = workload_fn(model, workload, spec, optimizer)
             contestants.append(
-                Contestant(contestant_name(preset, kind, kernel), fn, _context(kernel, workload), kernel=kernel)
+                Contestant(contestant_name(preset, kind, kernel), fn, _context(kernel, workload, model), kernel=kernel)
             )
             meta.append((kind, kernel, tokens))
         if contestants:

@@ -48,7 +48,6 @@ import os
 import re
 import select
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -213,8 +212,10 @@ def test_readme_substitutions_match_the_readme():
     running = [block for block in BLOCKS if block.skip_reason is None]
     for readme_text in SHORTER:
         assert any(readme_text in block.code for block in running), f"SHORTER key {readme_text!r} not in a run block"
-    for hub_id in HUB_TO_LOCAL:
+    for hub_id, folder in HUB_TO_LOCAL.items():
         assert hub_id in README_TEXT
+        # the README itself gives the folder as the offline form of the Hub id
+        assert re.search(rf"the folder `{folder}`\s+works in place of `{hub_id}`", README_TEXT)
 
 
 def test_every_memoryformer_command_in_the_readme_parses():
@@ -296,6 +297,7 @@ class ReadmeRun:
         self.done: dict[int, str | None] = {}  # block index -> None (passed) or why it failed
         self.workers: dict[str, subprocess.Popen] = {}
         self.worker_logs: dict[str, Path] = {}
+        self.open_logs = []
 
     def run_through(self, index: int) -> None:
         """Run every block up to `index` that has not run; fail this test if an earlier one failed."""
@@ -336,9 +338,10 @@ class ReadmeRun:
         if section not in self.workers:
             log = self.scratch / f"section-{len(self.workers)}.log"
             self.worker_logs[section] = log
+            self.open_logs.append(log.open("w", encoding="utf-8"))
             self.workers[section] = subprocess.Popen(
                 [sys.executable, str(PYTHON_RUNNER)], cwd=self.workspace, env=self.env, text=True,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w", encoding="utf-8"),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.open_logs[-1],
             )
         return self.workers[section], self.worker_logs[section]
 
@@ -347,6 +350,8 @@ class ReadmeRun:
         path.write_text(code, encoding="utf-8")
         worker, log = self._worker(block.section)
         offset = log.stat().st_size
+        if worker.poll() is not None:
+            return f"the interpreter of this section exited (status {worker.returncode}) before this block"
         worker.stdin.write(json.dumps({"label": block.id, "path": str(path)}) + "\n")
         worker.stdin.flush()
         ready, _, _ = select.select([worker.stdout], [], [], BLOCK_TIMEOUT)
@@ -367,6 +372,8 @@ class ReadmeRun:
                 worker.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 worker.kill()
+        for log in self.open_logs:
+            log.close()
 
 
 def _tail(text: str | bytes | None, limit: int = 6000) -> str:

@@ -109,7 +109,12 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(group)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("validation perplexity")
-    fig.suptitle("MemoryFormer ablations (* = base: tau 8, e 2, 3x LR, no GELU, paper score)")
+    title = fig.suptitle("MemoryFormer ablations (* = base: tau 8, e 2, 3x LR, no GELU, paper score)")
+    # one or two groups make a figure narrower than its title: widen the figure to the title's measured width
+    fig.canvas.draw()
+    needed = title.get_window_extent().width / fig.dpi + 0.4  # inches, with a margin
+    if needed > fig.get_figwidth():
+        fig.set_figwidth(needed)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,8 @@ as the normalised entropy H(p) / log(2**tau) of the hit frequencies p of one tab
     stats.normalised_entropy()                            # {"model.layers.0.attention.query_key_value[3]": 0.98}
     plot_bucket_histograms(stats, "buckets.png")          # the Fig. 4 bar charts
 
-CLI: `memoryformer buckets --model DIR --data TEXT --out DIR` (see `add_bucket_arguments`).
+CLI: `memoryformer buckets --model DIR --data TEXT [--out DIR]` (options: `cli.add_bucket_arguments`); the report goes
+to DIR/buckets next to the model unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -317,25 +318,18 @@ def format_summary(stats: BucketStats) -> str:
     return "\n".join(lines)
 
 
-def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `memoryformer buckets`."""
-    parser.add_argument("--model", required=True, help="trained MemoryFormer: a local folder or a Hub id")
-    parser.add_argument("--data", default=None, help="text file, folder or Hub dataset (default: the embedded text)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: the model's own)")
-    parser.add_argument("--layers", nargs="+", default=None, help="Memory Layer names to count (default: all)")
-    parser.add_argument("--block-size", type=int, default=128, help="tokens per block")
-    parser.add_argument("--batch-size", type=int, default=8, help="blocks per forward")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="stop after at least this many tokens (whole blocks)")
-    parser.add_argument("--split", choices=("validation", "all"), default="validation",
-                        help="count the validation blocks or every block")
-    parser.add_argument("--out", default="buckets", help="folder for bucket_stats.json and buckets.png")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+def default_bucket_folder(model: str) -> str:
+    """Where `memoryformer buckets` writes without --out: the `buckets` folder inside a local model folder, so the
+    statistics stay with the model (or run) they describe. A Hub id has no local folder: --out is required."""
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is not a local folder, so there is no default output folder next to it; "
+                         "pass --out DIR for bucket_stats.json and buckets.png.")
+    return os.path.join(model, "buckets")
 
 
 def run_buckets(args: argparse.Namespace) -> int:
     """`memoryformer buckets`: count bucket hits of a model on text, write bucket_stats.json and buckets.png into
-    --out and print the per-layer table. Returns the exit code."""
+    --out (default: MODEL/buckets) and print the per-layer table. Returns the exit code."""
     from transformers import AutoModelForCausalLM
 
     from .data import build_lm_data  # the training/data tools are only needed by the CLI
@@ -347,6 +341,7 @@ def run_buckets(args: argparse.Namespace) -> int:
             return 2
     from .checkpoints import load_pretrained_strict
 
+    out = args.out if args.out is not None else default_bucket_folder(args.model)
     model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model")
     data = build_lm_data(args.data, args.tokenizer or args.model, block_size=args.block_size)
     if len(data.tokenizer) > model.config.vocab_size:
@@ -366,15 +361,15 @@ def run_buckets(args: argparse.Namespace) -> int:
     batches = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size)
 
     stats = collect_bucket_stats(model, batches, layers=args.layers, progress=not args.no_progress)
-    os.makedirs(args.out, exist_ok=True)
-    stats.to_json(os.path.join(args.out, "bucket_stats.json"))
-    plot_bucket_histograms(stats, os.path.join(args.out, "buckets.png"),
+    os.makedirs(out, exist_ok=True)
+    stats.to_json(os.path.join(out, "bucket_stats.json"))
+    plot_bucket_histograms(stats, os.path.join(out, "buckets.png"),
                            title=f"Bucket hits of {os.path.basename(args.model.rstrip('/'))} ({stats.tokens:,} tokens)")
     entropies = list(stats.normalised_entropy().values())
     print(f"Bucket hits over {stats.tokens:,} tokens ({args.split}); normalised entropy, 1 = uniform:\n")
     print(format_summary(stats))
     print(f"\nAll {len(entropies)} tables: mean {sum(entropies) / len(entropies):.4f}, min {min(entropies):.4f}.")
-    print(f"Wrote {os.path.join(args.out, 'bucket_stats.json')} and {os.path.join(args.out, 'buckets.png')}")
+    print(f"Wrote {os.path.join(out, 'bucket_stats.json')} and {os.path.join(out, 'buckets.png')}")
     return 0
 
 
@@ -385,6 +380,6 @@ __all__ = [
     "default_tables",
     "plot_bucket_histograms",
     "format_summary",
-    "add_bucket_arguments",
+    "default_bucket_folder",
     "run_buckets",
 ]

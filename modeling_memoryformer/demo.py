@@ -17,8 +17,10 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: `memoryformer demo --help` reads DemoSettings without loading torch
+    import torch
 
 
 @dataclass
@@ -39,7 +41,7 @@ class DemoSettings:
     block_size: int = 128
     batch_size: int = 8
     max_steps: int = 400
-    eval_points: int = 8  # evaluations along the run, for the curves
+    eval_points: int = 8  # evaluations along each model's run (the points of the loss curves)
     lr_multiplier: float | None = None  # None: MemoryFormer at 3x the twin's learning rate
     decode_tokens: int = 64
     prompt_tokens: int = 16
@@ -63,6 +65,8 @@ def memoryformer_config_for(settings: DemoSettings, tokenizer):
 def measure_decode(model, prompt_ids: torch.Tensor, new_tokens: int, repeats: int = 3) -> float:
     """Greedy decode tokens/s with the KV cache (batch 1): the median of `repeats` timed generations of exactly
     `new_tokens` tokens, after a short warm-up."""
+    import torch
+
     model.eval()
     kwargs = dict(do_sample=False, pad_token_id=model.config.pad_token_id, eos_token_id=None)
     rates = []
@@ -81,6 +85,8 @@ def measure_decode(model, prompt_ids: torch.Tensor, new_tokens: int, repeats: in
 
 def sample_text(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int, seed: int) -> str:
     """A sampled continuation (top-k 40, temperature 0.8, fixed seed) of the prompt, decoded."""
+    import torch
+
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(
@@ -123,14 +129,12 @@ def plot_loss_curves(curves: dict[str, dict[str, list]], path: str, title: str) 
 def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_rate: float):
     from .training import TrainingSettings, train
 
-    eval_steps = max(1, settings.max_steps // max(1, settings.eval_points))
     run = TrainingSettings(
         output_dir=output_dir,
         max_steps=settings.max_steps,
         per_device_batch_size=settings.batch_size,
         learning_rate=learning_rate,
-        eval_steps=eval_steps,
-        logging_steps=max(1, min(10, settings.max_steps // 20)),
+        eval_points=settings.eval_points,
         report_to="csv",
         seed=settings.seed,
         progress=settings.progress,
@@ -170,6 +174,7 @@ def run_demo(settings: DemoSettings) -> dict:
 
 
 def _run_demo(settings: DemoSettings, work: str) -> dict:
+    import torch
     from transformers import set_seed
 
     from .buckets import collect_bucket_stats, plot_bucket_histograms
@@ -181,6 +186,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     from .training import default_learning_rate
     from .twin import pythia_twin
 
+    start = time.perf_counter()
     facts = run_facts()  # loads (builds) the Memory Layer kernel before anything is trained or timed
     data = build_lm_data(settings.data, settings.tokenizer, block_size=settings.block_size,
                          vocab_size=settings.vocab_size, progress=settings.progress)
@@ -213,6 +219,8 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
             "validation_perplexity": result.perplexity,
             "train_tokens_per_second": result.train_tokens_per_second,
             "train_seconds": result.train_seconds,
+            "eval_seconds": result.eval_seconds,
+            "evaluations": result.evaluations,
             "decode_tokens_per_second": measure_decode(model, prompt, settings.decode_tokens),
             "flops_per_block_without_attention": flops[name]["without_attention"],
             "flops_per_block_total": flops[name]["total"],
@@ -231,6 +239,9 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
                      title=f"{data.description}\nsame tokens for both, MemoryFormer at {rates['MemoryFormer'] / twin_lr:g}x "
                            "the twin's learning rate")
     entropies = stats.normalised_entropy()
+    total = time.perf_counter() - start
+    training = sum(r["train_seconds"] for r in results.values())
+    evaluation = sum(r["eval_seconds"] for r in results.values())
     summary = {
         "settings": asdict(settings),
         "data": data.description,
@@ -244,6 +255,10 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
                            "tables": len(entropies)},
         "memoryformer_config": mf_config.to_dict(),
         "run": facts,  # the kernel that ran, the CPU and its vector features, versions, the kernel build/load time
+        # where the time went, both models together; "other": data and tokenizer, kernel build, checkpoints and
+        # saves, decode timing, samples, bucket statistics, plots
+        "time": {"total_seconds": total, "training_seconds": training, "evaluation_seconds": evaluation,
+                 "other_seconds": total - training - evaluation},
     }
     with open(os.path.join(work, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
@@ -273,6 +288,9 @@ def format_report(summary: dict) -> str:
         ("FLOPs per block, total", lambda r: f"{r['flops_per_block_total'] / 1e6:.1f} M"),
         ("training tokens/s", lambda r: f"{r['train_tokens_per_second']:.0f}"),
         ("decode tokens/s (batch 1, greedy, KV cache)", lambda r: f"{r['decode_tokens_per_second']:.1f}"),
+        *([("training time (steps only)", lambda r: f"{r['train_seconds']:.1f} s"),
+           ("evaluation time", lambda r: f"{r['eval_seconds']:.1f} s ({r['evaluations']} evaluations)")]
+          if "eval_seconds" in mf else []),
     ]
     settings = summary["settings"]
     lines = [
@@ -298,6 +316,11 @@ def format_report(summary: dict) -> str:
         ratio = f"{mf[key] / twin[key]:.2f}x" if key else ""
         lines.append(f"| {label} | {fmt(mf)} | {fmt(twin)} | {ratio} |")
     entropy = summary["bucket_entropy"]
+    if summary.get("time"):
+        spent = summary["time"]
+        lines += ["", f"Time: {spent['total_seconds']:.1f} s in all: training {spent['training_seconds']:.1f} s, "
+                      f"evaluation {spent['evaluation_seconds']:.1f} s, other {spent['other_seconds']:.1f} s "
+                      "(data and tokenizer, kernel build, saving, decode timing, samples, bucket statistics)."]
     lines += [
         "",
         f"Bucket uniformity (normalised entropy over {entropy['tables']} tables, 1 = uniform): mean "
@@ -311,39 +334,14 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = DemoSettings()
-    parser.add_argument("--out", default=defaults.out, help="report folder (default: %(default)s)")
-    parser.add_argument("--data", default=None,
-                        help="text file, folder of .txt files or Hub dataset id (default: embedded CPython docs)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer path or Hub id (default: byte-level BPE trained on the training text)")
-    parser.add_argument("--eval-text", default=None,
-                        help="a text file for an extra out-of-domain perplexity of both models (e.g. WikiText-2)")
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="of the trained tokenizer")
-    parser.add_argument("--preset", default=None, help="MemoryFormer preset (tiny, small, base) instead of the demo shape")
-    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
-    parser.add_argument("--layers", type=int, default=defaults.num_hidden_layers)
-    parser.add_argument("--heads", type=int, default=defaults.num_attention_heads)
-    parser.add_argument("--hash-bits", type=int, default=defaults.hash_bits)
-    parser.add_argument("--expand-bits", type=int, default=defaults.expand_bits)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="same for both models")
-    parser.add_argument("--lr-multiplier", type=float, default=None,
-                        help="MemoryFormer learning rate over the twin's (default: 3, the paper's rule)")
-    parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing report folder")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
 def run_demo_cli(args: argparse.Namespace) -> int:
+    """`memoryformer demo` (its options: cli.add_demo_arguments)."""
     settings = DemoSettings(
         out=args.out, data=args.data, tokenizer=args.tokenizer, eval_text=args.eval_text, vocab_size=args.vocab_size, preset=args.preset,
         hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         hash_bits=args.hash_bits, expand_bits=args.expand_bits, block_size=args.block_size,
-        batch_size=args.batch_size, max_steps=args.max_steps, lr_multiplier=args.lr_multiplier,
+        batch_size=args.batch_size, max_steps=args.max_steps, eval_points=args.eval_points,
+        lr_multiplier=args.lr_multiplier,
         decode_tokens=args.decode_tokens, seed=args.seed, overwrite=args.overwrite,
         progress=not args.no_progress,
     )

@@ -27,7 +27,7 @@ models"): windows of `context_length` tokens start every `stride` tokens, and ea
 earlier window scored, so every token after the first is scored exactly once, with at least
 `context_length - stride` tokens of context (all of its predecessors while it sits in the first window).
 
-`add_eval_arguments` / `run_eval` are the `memoryformer eval` command.
+`run_eval` is the `memoryformer eval` command (its options: `cli.add_eval_arguments`).
 """
 
 from __future__ import annotations
@@ -389,30 +389,6 @@ def _same_length_batches(windows: list[tuple[int, int, int]], batch_size: int):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer eval`
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `memoryformer eval`."""
-    parser.add_argument("--model", help="model folder or Hub id (AutoModelForCausalLM)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's)")
-    parser.add_argument("--tasks", nargs="+", default=None,
-                        help=f"harness tasks (default: the paper's {' '.join(PAPER_TASKS)}; none when only "
-                             "--perplexity is given)")
-    parser.add_argument("--num-fewshot", type=int, default=0, help="in-context examples (the paper: 0)")
-    parser.add_argument("--limit", type=float, default=None,
-                        help="documents per task (N), or a fraction (0 < F < 1); for quick checks only")
-    parser.add_argument("--include-path", default=None,
-                        help="folder of local task YAMLs (offline data, see --export-tasks); overrides same names")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--perplexity", default=None, metavar="FILE", help="text file for sliding-window perplexity")
-    parser.add_argument("--context-length", type=int, default=None,
-                        help="perplexity window (default: the model's max_position_embeddings)")
-    parser.add_argument("--stride", type=int, default=None, help="perplexity stride (default: context length // 2)")
-    parser.add_argument("--out", default=None, metavar="JSON", help="write the results to this file")
-    parser.add_argument("--export-tasks", default=None, metavar="DIR",
-                        help="instead of evaluating: save --tasks' data as jsonl + task YAMLs in DIR (needs the "
-                             "Hub once), for --include-path DIR offline")
-
-
 def run_eval(args: argparse.Namespace) -> int:
     """`memoryformer eval`: harness tasks and/or perplexity of one model, printed and optionally saved as JSON."""
     tasks = args.tasks if args.tasks is not None else (None if args.perplexity else list(PAPER_TASKS))
@@ -488,4 +464,4 @@ def _task_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PAPER_TASKS", "evaluate_tasks", "export_offline_tasks", "perplexity", "add_eval_arguments", "run_eval"]
+__all__ = ["PAPER_TASKS", "evaluate_tasks", "export_offline_tasks", "perplexity", "run_eval"]

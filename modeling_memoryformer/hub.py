@@ -4,7 +4,7 @@
 memory against the Pythia twin (`flops.py`), provenance, and how to load the model with this package installed or
 through `trust_remote_code=True`. `push_to_hub` saves the model (safetensors, the remote-code files and `auto_map`),
 tokenizer, generation config and that card into a temporary folder and uploads it as ONE commit, so a repo never
-holds half a model. `add_push_arguments` / `run_push` are the `memoryformer push` command.
+holds half a model. `run_push` is the `memoryformer push` command (its options: `cli.add_push_arguments`).
 
 The Hub is reached through huggingface_hub, which honours `HF_ENDPOINT` (a mirror or a local stand-in) and finds
 the token in `HF_TOKEN` or the `hf auth login` store.
@@ -24,6 +24,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from .flops import (
+    PYTHIA_TWINS,
     layer_memory_table,
     per_block_flops,
     pythia_block_flops,
@@ -227,12 +228,19 @@ def _comparison_text(config, seq_len: int) -> str:
         ("FC weights / hash tables, whole model, bytes", dense_bytes * layers, tables * layers),
     ]
     twin = pythia_twin_name(config)
-    table = [f"| per block, s = {seq_len} | {twin} | MemoryFormer | MemoryFormer / twin |", "|---|---|---|---|"]
+    if (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) in PYTHIA_TWINS:
+        against = f"its dense twin {twin}: the Pythia (GPT-NeoX) model of the same width, depth and heads"
+        column = twin
+    else:  # no Pythia model has this shape: the twin is described, not named
+        against = (f"its dense twin: a GPT-NeoX (Pythia-style) model of the same width (d = {config.hidden_size}), "
+                   f"depth ({config.num_hidden_layers} blocks) and heads ({config.num_attention_heads})")
+        column = "dense twin"
+    table = [f"| per block, s = {seq_len} | {column} | MemoryFormer | MemoryFormer / twin |", "|---|---|---|---|"]
     table += [f"| {label} | {twin_value:,} | {mf_value:,} | {mf_value / twin_value:.3g}x |"
               for label, twin_value, mf_value in rows]
     return (
         f"Counted as the paper counts them (Table 1: one multiply-add = one FLOP), per block at sequence length "
-        f"{seq_len}, against the dense twin {twin}: a GPT-NeoX (Pythia) model of the same width, depth and heads. "
+        f"{seq_len}, against {against}. "
         "Memory in float16 bytes, as the paper quotes it.\n\n"
         + "\n".join(table)
         + "\n\nHash tables per Memory Layer of one block (float16):\n\n"
@@ -322,23 +330,6 @@ def push_to_hub(
 
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer push`
-def add_push_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `memoryformer push` (the token comes from HF_TOKEN or `hf auth login`, the Hub from HF_ENDPOINT)."""
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="folder written by save_pretrained: config.json and model.safetensors")
-    parser.add_argument("--repo-id", required=True, help="namespace/name on the Hub (a bare name goes to your account)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="tokenizer folder or Hub id (default: the tokenizer saved in --model, if there is one)")
-    parser.add_argument("--provenance", default=None, metavar="TEXT",
-                        help="how the weights were made: trained / converted from what, on what data")
-    parser.add_argument("--base-model", default=None, metavar="ID", help="Hub id of the model it was converted from")
-    parser.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="ID",
-                        help="Hub id of a training dataset (repeatable)")
-    parser.add_argument("--license", default="apache-2.0")
-    parser.add_argument("--private", action="store_true", help="create the repo private (an existing repo is unchanged)")
-    parser.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE)
-
-
 def run_push(args: argparse.Namespace) -> int:
     """Load the model folder (safetensors only) and push it with its card; print the commit URL. Exit code 2 for
     bad input, 1 if the Hub refuses the upload."""

@@ -10,6 +10,10 @@ The recipe (paper section 4.1 and the authors' GPT-NeoX configs, SPEC section 4)
   from the tokens that hash to it, so the tables see sparse, small updates and want a larger rate (paper Table 4:
   3x is best). Override with `learning_rate=` (absolute) or `lr_multiplier=` (relative to the Pythia rate).
 
+Evaluation and logging intervals scale with the run (`evaluation_interval`, `logging_interval`): by default a run
+evaluates 10 times, at least 10 steps apart (once, at the end, for a run of 10 steps or fewer), and logs the training
+loss about 50 times, whatever its length.
+
 Everything else is the Trainer: progress bars, evaluation loss (and perplexity = exp(loss)), logs (a CSV file, or
 TensorBoard and any other Trainer integration), checkpoints, exact resume (`resume_from_checkpoint`: optimizer,
 schedule, RNG and data position are restored, so the resumed run continues the uninterrupted loss curve), bf16
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import sys
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 # (hidden size, learning rate) of the Pythia suite, smallest first: the dense rate of a model is that of the widest
 # Pythia model not wider than it (models narrower than Pythia-70M take its rate).
@@ -140,12 +145,19 @@ class CSVLogger(TrainerCallback):
 
 
 class StepTimer(TrainerCallback):
-    """Wall time spent in training steps only (forward, backward, optimizer; not evaluation or checkpointing)."""
+    """Wall time spent in training steps only (forward, backward, optimizer; not evaluation or checkpointing), and,
+    apart, in evaluations (the Trainer's `eval_runtime` of each)."""
 
     def __init__(self):
         self.seconds = 0.0
         self.steps = 0
+        self.eval_seconds = 0.0
+        self.evaluations = 0
         self._start = None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.eval_seconds += (metrics or {}).get("eval_runtime", 0.0)
+        self.evaluations += 1
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
@@ -176,8 +188,9 @@ class TrainingSettings:
     warmup_ratio: float = 0.01
     min_lr_ratio: float = 0.01
     bf16: bool = False
-    eval_steps: int | None = None  # None: evaluate 10 times over the run
-    logging_steps: int = 10
+    eval_steps: int | None = None  # None: from eval_points (see `evaluation_interval`)
+    eval_points: int | None = None  # evaluations over the run; None: 10, at least 10 steps apart
+    logging_steps: int | None = None  # None: about 50 logs over the run (see `logging_interval`)
     save_steps: int | None = None  # None: no intermediate checkpoints
     save_total_limit: int | None = 2
     report_to: str = "csv"  # "csv", "none", or any Trainer integration ("tensorboard", ...); comma-separated
@@ -189,12 +202,16 @@ class TrainingSettings:
     extra_arguments: dict = field(default_factory=dict)  # any other TrainingArguments field
 
     def __post_init__(self):
-        for name in ("max_steps", "per_device_batch_size", "gradient_accumulation_steps", "logging_steps"):
+        for name in ("max_steps", "per_device_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("eval_steps", "save_steps"):
+        for name in ("eval_steps", "eval_points", "logging_steps", "save_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}.")
+                raise ValueError(f"{name} must be >= 1 or None (the default for the run's length), "
+                                 f"got {getattr(self, name)}.")
+        if self.eval_steps is not None and self.eval_points is not None:
+            raise ValueError(f"eval_steps ({self.eval_steps}) and eval_points ({self.eval_points}) both set the "
+                             "evaluation interval; pass one of them.")
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
         if not 0 <= self.warmup_ratio < 1:
@@ -223,6 +240,39 @@ def check_output_dir(path, flag: str = "--out") -> None:
         )
 
 
+DEFAULT_EVAL_POINTS = 10
+MIN_DEFAULT_EVAL_INTERVAL = 10  # steps: short runs do not spend most of their time evaluating
+DEFAULT_LOGS = 50
+
+
+def evaluation_interval(settings: TrainingSettings) -> int:
+    """Steps between evaluations: `eval_steps`; else `eval_points` evaluations spread over `max_steps`, the last at
+    `max_steps` (ceil(max_steps / eval_points) steps apart, so never more than eval_points of them, counting the
+    final one); by default 10 evaluations, at least 10 steps apart, so a 10-step run evaluates once, at its end."""
+    if settings.eval_steps is not None:
+        return settings.eval_steps
+    if settings.eval_points is not None:
+        return max(1, math.ceil(settings.max_steps / settings.eval_points))
+    spread = max(math.ceil(settings.max_steps / DEFAULT_EVAL_POINTS), MIN_DEFAULT_EVAL_INTERVAL)
+    return min(settings.max_steps, spread)
+
+
+def logging_interval(settings: TrainingSettings) -> int:
+    """Steps between training-loss logs: `logging_steps`, else about 50 logs over the run (at least every step)."""
+    if settings.logging_steps is not None:
+        return settings.logging_steps
+    return max(1, math.ceil(settings.max_steps / DEFAULT_LOGS))
+
+
+def schedule_line(settings: TrainingSettings) -> str:
+    """One line telling how often the run evaluates and logs, and how to change it."""
+    every = evaluation_interval(settings)
+    count = settings.max_steps // every + (settings.max_steps % every > 0)
+    return (f"{settings.max_steps} steps: evaluating every {every} step{'s' * (every > 1)} ({count} evaluation"
+            f"{'s' * (count > 1)}), logging every {logging_interval(settings)} (--eval-points, --eval-steps, "
+            "--logging-steps to change)")
+
+
 @dataclass
 class TrainingResult:
     eval_loss: float
@@ -231,6 +281,8 @@ class TrainingResult:
     train_tokens: int
     train_seconds: float  # time in training steps (see StepTimer)
     train_tokens_per_second: float
+    eval_seconds: float  # time in the evaluations of this call (the final one included)
+    evaluations: int
     log_history: list[dict]
     output_dir: str
 
@@ -239,7 +291,6 @@ def training_arguments(settings: TrainingSettings, model: nn.Module) -> Training
     """The `TrainingArguments` of `settings` for `model` (learning rate resolved)."""
     learning_rate = settings.learning_rate or default_learning_rate(model, settings.lr_multiplier)
     report_to = [r for r in settings.report_to.split(",") if r and r not in ("csv", "none")]
-    eval_steps = settings.eval_steps or max(1, settings.max_steps // 10)
     arguments = dict(
         output_dir=settings.output_dir,
         max_steps=settings.max_steps,
@@ -258,8 +309,8 @@ def training_arguments(settings: TrainingSettings, model: nn.Module) -> Training
         optim="adamw_torch_fused",  # one vectorised pass over every parameter: 8x faster than the loop on CPU
         bf16=settings.bf16,
         eval_strategy="steps",
-        eval_steps=eval_steps,
-        logging_steps=settings.logging_steps,
+        eval_steps=evaluation_interval(settings),
+        logging_steps=logging_interval(settings),
         save_strategy="steps" if settings.save_steps else "no",
         save_steps=settings.save_steps or 500,
         save_total_limit=settings.save_total_limit,
@@ -340,16 +391,41 @@ def resolve_resume(settings: TrainingSettings, say=None) -> str | None:
     return resume
 
 
+def checkpoint_step(folder: str) -> int:
+    """The optimizer step a Trainer checkpoint (or a final save) was written at: `global_step` of its
+    trainer_state.json."""
+    with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
+        return int(json.load(f)["global_step"])
+
+
+def finished_message(step: int, max_steps: int) -> str:
+    where = f"finished at step {step} of {max_steps}" if step == max_steps else f"at step {step}, past max_steps {max_steps}"
+    return f"run already {where}; nothing to train"
+
+
 def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> TrainingResult:
     """Train `model` on `data` (an `LMData`) with `settings`; evaluate at the end; save the final model (and the
-    tokenizer) to `settings.output_dir` unless `save_final_model=False`. Returns a `TrainingResult`."""
+    tokenizer) to `settings.output_dir` unless `save_final_model=False`. Returns a `TrainingResult`.
+
+    Resuming a run whose checkpoint is at (or past) `max_steps` trains nothing: `model` gets the checkpoint's
+    weights, and the result its last evaluation."""
     if len(data.train) == 0 or len(data.validation) == 0:
         raise ValueError("The training data needs at least one training and one validation block.")
     resume = resolve_resume(settings)
     os.makedirs(settings.output_dir, exist_ok=True)
     timer = StepTimer()
     trainer = build_trainer(model, data, settings, callbacks=[timer, *callbacks])
-    trainer.train(resume_from_checkpoint=resume)
+    done = checkpoint_step(resume) if resume else 0
+    if done >= settings.max_steps:
+        # Not handed to trainer.train(): its loop tests max_steps only after a step (DefaultFlowCallback at
+        # on_step_end), and a checkpoint in the middle of an epoch puts it back inside the epoch loop, so a finished
+        # run would train step max_steps + 1 and save checkpoint-(max_steps + 1).
+        if trainer.is_world_process_zero():
+            print(finished_message(done, settings.max_steps))
+        trainer._load_from_checkpoint(resume)
+        trainer.state = TrainerState.load_from_json(os.path.join(resume, "trainer_state.json"))
+    else:
+        trainer.train(resume_from_checkpoint=resume)
     last = trainer.state.log_history[-2:] if trainer.state.log_history else []
     final = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
     metrics = final[-1] if final else trainer.evaluate()  # the last step may have evaluated already
@@ -364,6 +440,8 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
         train_tokens=trainer.state.global_step * step_tokens,
         train_seconds=timer.seconds,
         train_tokens_per_second=timer.steps * step_tokens / timer.seconds if timer.seconds else float("nan"),
+        eval_seconds=timer.eval_seconds,
+        evaluations=timer.evaluations,
         log_history=list(trainer.state.log_history),
         output_dir=settings.output_dir,
     )
@@ -387,47 +465,7 @@ def config_for_tokenizer(tokenizer, preset: str | None, shape: dict, block_size:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# `memoryformer train`
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output folder: checkpoints, log.csv, the final model")
-    parser.add_argument("--data", default=None,
-                        help="text file, folder of .txt files, local dataset folder or Hub dataset id "
-                             "(default: the embedded CPython documentation)")
-    parser.add_argument("--text-column", default="text", help="text column of a dataset (default: %(default)s)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer path or Hub id (default: --model's own, else a byte-level BPE trained on the "
-                             "training text)")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="of the trained BPE tokenizer")
-    parser.add_argument("--model", default=None, help="a saved MemoryFormer (folder or Hub id) to continue training")
-    parser.add_argument("--preset", default=None, help="MemoryFormer preset (tiny, small, base)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--hash-bits", type=int, default=8)
-    parser.add_argument("--expand-bits", type=int, default=2)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8, help="per device (process)")
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--max-steps", type=int, default=1000)
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
-    parser.add_argument("--lr-multiplier", type=float, default=None,
-                        help="times the Pythia rate of this width (default: 3, the paper's rule)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--warmup-ratio", type=float, default=0.01)
-    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    parser.add_argument("--eval-steps", type=int, default=None)
-    parser.add_argument("--logging-steps", type=int, default=10)
-    parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (resumable)")
-    parser.add_argument("--report-to", default="csv", help="csv, tensorboard, none, ... (comma-separated)")
-    parser.add_argument("--resume", default=None,
-                        help="checkpoint folder to resume from, or 'latest' for the newest complete one in --out")
-    parser.add_argument("--resume-partial", action="store_true",
-                        help="allow resuming from a checkpoint without optimizer/scheduler state (fresh ones)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier run in --out (its checkpoints are deleted, its model replaced)")
-    parser.add_argument("--seed", type=int, default=0)
+# `memoryformer train` (its options: cli.add_train_arguments)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -446,11 +484,18 @@ def run_train(args: argparse.Namespace) -> int:
         output_dir=args.out, max_steps=args.max_steps, per_device_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_multiplier=args.lr_multiplier,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, bf16=args.bf16, eval_steps=args.eval_steps,
-        logging_steps=args.logging_steps, save_steps=args.save_steps, report_to=args.report_to, seed=args.seed,
-        resume_from_checkpoint=resume, resume_partial=args.resume_partial,
+        eval_points=args.eval_points, logging_steps=args.logging_steps, save_steps=args.save_steps,
+        report_to=args.report_to, seed=args.seed, resume_from_checkpoint=resume, resume_partial=args.resume_partial,
     )
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate, rank 0 reports
+    say = print if main_process else (lambda *a, **k: None)
     if resume:
-        resolve_resume(settings, say=lambda message: None)  # before any data is read; train() reports skips
+        folder = resolve_resume(settings, say=lambda message: None)  # before any data is read; train() reports skips
+        done = checkpoint_step(folder)
+        if done >= settings.max_steps and _final_model_saved(args.out, done):
+            say(f"{finished_message(done, settings.max_steps)} ({os.path.basename(folder)}; the final model is in "
+                f"{args.out})")
+            return 0
     # before any data is read: a damaged --model (missing or unexpected tensors) fails at once, naming them
     model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model") if args.model else None
     # a saved model keeps its own tokenizer: a freshly trained BPE would not match its embeddings
@@ -467,8 +512,6 @@ def run_train(args: argparse.Namespace) -> int:
                      hash_bits=args.hash_bits, expand_bits=args.expand_bits)
         config = config_for_tokenizer(data.tokenizer, args.preset, shape, args.block_size)
         model = MemoryFormerForCausalLM(config)
-    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate, rank 0 reports
-    say = print if main_process else (lambda *a, **k: None)
     say(f"{data.description}: {data.num_train_tokens:,} training / {data.num_validation_tokens:,} validation "
           f"tokens; {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
           f"lr {settings.learning_rate or default_learning_rate(model, settings.lr_multiplier):g}")
@@ -478,10 +521,22 @@ def run_train(args: argparse.Namespace) -> int:
 
         for folder in checkpoint_folders(args.out):
             shutil.rmtree(folder)
+    say(schedule_line(settings))
     result = train(model, data, settings)
-    say(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; "
-          f"{result.train_tokens_per_second:,.0f} training tokens/s; model saved to {args.out}")
+    speed = f"{result.train_tokens_per_second:,.0f} training tokens/s; " if result.train_seconds else ""
+    say(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; {speed}"
+        f"{result.train_seconds:.0f} s training, {result.eval_seconds:.0f} s in {result.evaluations} evaluations; "
+        f"model saved to {args.out}")
     return 0
+
+
+def _final_model_saved(out: str, step: int) -> bool:
+    """Whether `out` holds the final model of a run that ended at `step` (train() saves it after the last checkpoint,
+    so a run killed in between has none yet: then train() writes it from the checkpoint)."""
+    try:
+        return os.path.isfile(os.path.join(out, "config.json")) and checkpoint_step(out) >= step
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 __all__ = [
@@ -492,6 +547,9 @@ __all__ = [
     "TrainingResult",
     "TrainingSettings",
     "build_trainer",
+    "checkpoint_step",
+    "evaluation_interval",
+    "logging_interval",
     "config_for_tokenizer",
     "default_learning_rate",
     "dense_learning_rate",

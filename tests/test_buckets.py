@@ -19,9 +19,9 @@ from torch import nn
 
 from conftest import TINY, tiny_model
 from modeling_memoryformer import MemoryLayer
+from modeling_memoryformer.cli import add_bucket_arguments
 from modeling_memoryformer.buckets import (
     BucketStats,
-    add_bucket_arguments,
     collect_bucket_stats,
     default_tables,
     memory_layers,
@@ -423,3 +423,22 @@ def test_the_command_rejects_non_positive_sizes(tmp_path, fake_data, capsys):
     argv = ["--model", str(tmp_path), "--block-size", "0", "--out", str(tmp_path / "out")]
     assert run_buckets(parse(argv)) == 2
     assert "--block-size must be positive" in capsys.readouterr().err
+
+
+def test_the_command_writes_next_to_a_local_model_by_default(tmp_path, fake_data, capsys):
+    model_dir = tmp_path / "run"
+    tiny_model().save_pretrained(str(model_dir))
+    assert run_buckets(parse(["--model", str(model_dir), "--block-size", "16", "--no-progress"])) == 0
+    assert BucketStats.from_json(str(model_dir / "buckets" / "bucket_stats.json")).tokens == 3 * 16
+    assert (model_dir / "buckets" / "buckets.png").read_bytes()[:8] == PNG_MAGIC
+    assert str(model_dir / "buckets" / "bucket_stats.json") in capsys.readouterr().out
+
+
+def test_a_hub_model_without_out_is_one_clear_error(tmp_path, fake_data, capsys, monkeypatch):
+    from modeling_memoryformer import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["buckets", "--model", "someone/memoryformer-tiny"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: --model 'someone/memoryformer-tiny' is not a local folder") and "--out" in line
+    assert "\n" not in line and list(tmp_path.iterdir()) == []  # nothing written in the current folder

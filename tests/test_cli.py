@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modeling_memoryformer import cli
 
-SUBCOMMANDS = ("demo", "train", "buckets", "generate", "flops", "convert", "eval", "push")
+SUBCOMMANDS = ("demo", "train", "buckets", "generate", "flops", "convert", "eval", "push", "kernels")
+TINY_TRAIN = ["--vocab-size", "300", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--hash-bits", "4",
+              "--expand-bits", "1", "--block-size", "32", "--batch-size", "4"]
 
 
 def test_every_subcommand_is_registered(capsys):
@@ -46,7 +48,9 @@ def test_train_command_saves_a_loadable_model_with_its_tokenizer_and_log(trained
     ids = torch.tensor([tokenizer("the quick brown fox")["input_ids"]])
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
     with open(out / "log.csv", newline="") as f:
-        assert [int(r["step"]) for r in csv.DictReader(f) if r["loss"]] == [2, 4, 6]
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows if r["loss"]] == [2, 4, 6]
+    assert [int(r["step"]) for r in rows if r["eval_loss"]] == [6]  # a 6-step run evaluates once, at its end
     assert (out / "checkpoint-6").is_dir()
 
 
@@ -88,3 +92,40 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path, capsys):
     assert cli.main(["train", "--out", str(tmp_path / "y"), "--max-steps", "0", "--hidden-size", "32", "--layers", "1",
                      "--heads", "2", "--hash-bits", "4", "--vocab-size", "300"]) == 2
     assert "max_steps must be >= 1" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(trained, tmp_path, capsys):
+    _, text, _ = trained
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--data", str(text), *TINY_TRAIN, "--max-steps", "4", "--save-steps", "2"]
+    assert cli.main(argv) == 0
+    saved = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+
+    assert cli.main([*argv, "--resume", "latest"]) == 0
+    printed = capsys.readouterr().out
+    assert "run already finished at step 4 of 4; nothing to train" in printed
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == saved  # nothing rewritten
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+
+    # killed after checkpoint-4 but before the final save: the final model is written from the checkpoint
+    for name in ("model.safetensors", "config.json", "trainer_state.json"):
+        (out / name).unlink()
+    assert cli.main([*argv, "--resume", "latest"]) == 0
+    assert "run already finished at step 4 of 4; nothing to train" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert (out / "model.safetensors").read_bytes() == saved["model.safetensors"]
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_train_states_its_evaluation_and_logging_schedule(trained, tmp_path, capsys):
+    _, text, _ = trained
+    argv = ["train", "--out", str(tmp_path / "run"), "--data", str(text), *TINY_TRAIN, "--max-steps", "3",
+            "--eval-points", "3", "--report-to", "none"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "3 steps: evaluating every 1 step (3 evaluations), logging every 1" in printed
+    assert "in 3 evaluations" in printed
+    assert cli.main([*argv, "--overwrite", "--eval-steps", "2"]) == 2
+    assert "pass one of them" in capsys.readouterr().err

@@ -91,3 +91,20 @@ def test_summary_and_report_state_the_kernel_cpu_and_versions(demo):
     assert run["memory_layer_kernel"] in ("fused", "torch") and run["cpu_model"] and run["torch"]
     assert run["kernel_build_load_seconds"] >= 0
     assert "Memory Layer kernel: " in (out / "report.md").read_text().splitlines()[2]
+
+
+def test_summary_and_report_split_the_time_between_training_and_evaluation(demo):
+    out, summary = demo
+    models = summary["models"].values()
+    spent = summary["time"]
+    assert spent["training_seconds"] == pytest.approx(sum(m["train_seconds"] for m in models))
+    assert spent["evaluation_seconds"] == pytest.approx(sum(m["eval_seconds"] for m in models))
+    assert spent["training_seconds"] > 0 and spent["evaluation_seconds"] > 0 and spent["other_seconds"] >= 0
+    assert spent["total_seconds"] == pytest.approx(
+        spent["training_seconds"] + spent["evaluation_seconds"] + spent["other_seconds"])
+    for name, model in summary["models"].items():  # eval_points=2 over 4 steps: at steps 2 and 4
+        assert model["evaluations"] == 2 == len(summary["curves"][name]["eval"]), name
+    report = (out / "report.md").read_text()
+    assert (f"training {spent['training_seconds']:.1f} s, evaluation {spent['evaluation_seconds']:.1f} s"
+            in report)
+    assert f"{summary['models']['MemoryFormer']['eval_seconds']:.1f} s (2 evaluations)" in report

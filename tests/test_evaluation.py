@@ -19,9 +19,9 @@ from conftest import tiny_model
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval (lm-evaluation-harness) is not installed")
 
+from modeling_memoryformer.cli import add_eval_arguments  # noqa: E402
 from modeling_memoryformer.evaluation import (  # noqa: E402
     PAPER_TASKS,
-    add_eval_arguments,
     evaluate_tasks,
     export_offline_tasks,
     perplexity,

@@ -22,7 +22,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from modeling_memoryformer import MemoryFormerForCausalLM, MemoryFormerPreTrainedModel
 from modeling_memoryformer.flops import per_block_flops, table_memory
-from modeling_memoryformer.hub import add_push_arguments, model_card, push_to_hub, run_push
+from modeling_memoryformer.cli import add_push_arguments
+from modeling_memoryformer.hub import model_card, push_to_hub, run_push
 
 from conftest import tiny_model
 from hub_server import LocalHub
@@ -198,9 +199,7 @@ def pushed(hub, tmp_path_factory):
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     env = {**hub_env(hub, work / "hf_home"), "HF_TOKEN": TOKEN}
-    code = ("import argparse, sys\nfrom modeling_memoryformer.hub import add_push_arguments, run_push\n"
-            "parser = argparse.ArgumentParser()\nadd_push_arguments(parser)\n"
-            "sys.exit(run_push(parser.parse_args(sys.argv[1:])))")
+    code = "import sys\nfrom modeling_memoryformer.cli import main\nsys.exit(main(['push', *sys.argv[1:]]))"
     result = run([sys.executable, "-c", code, "--model", str(work / "model"), "--repo-id", REPO_ID,
                   "--provenance", PROVENANCE], env, work)
     return {"model": model, "tokenizer": tokenizer, "folder": work / "model", "stdout": result.stdout}
@@ -389,3 +388,18 @@ def test_push_to_hub_of_a_bare_name_cards_the_namespaced_repo_id(quiet_hub):
     push_to_hub(tiny_model(), "bare-mf", endpoint=quiet_hub.url, token=TOKEN)
     readme = quiet_hub.read_file("local-user/bare-mf", "README.md").decode()
     assert 'from_pretrained("local-user/bare-mf", trust_remote_code=True)' in readme
+
+
+@pytest.mark.parametrize("preset,expected", [
+    ("tiny", "against its dense twin pythia-70m: the Pythia (GPT-NeoX) model of the same width, depth and heads."),
+    (None, "against its dense twin: a GPT-NeoX (Pythia-style) model of the same width (d = 64), depth (2 blocks) "
+           "and heads (4)."),
+])
+def test_card_names_the_dense_twin_once(preset, expected):
+    from modeling_memoryformer import MemoryFormerConfig
+    from modeling_memoryformer.hub import _comparison_text
+
+    config = MemoryFormerConfig.from_preset(preset) if preset else tiny_model().config
+    text = " ".join(_comparison_text(config, 512).split())
+    assert expected in text
+    assert "twin GPT-NeoX twin" not in text and "twin pythia-70m: a GPT-NeoX" not in text

@@ -20,6 +20,8 @@ from modeling_memoryformer.training import (
     build_trainer,
     default_learning_rate,
     dense_learning_rate,
+    evaluation_interval,
+    logging_interval,
     no_decay_parameter_names,
     train,
 )
@@ -174,3 +176,71 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_invalid_settings_name_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         settings(tmp_path, **{field: value})
+
+
+def test_resuming_a_finished_run_trains_nothing_and_writes_no_checkpoint(tmp_path, capsys):
+    data = synthetic_lm_data()
+    finished_model = trainable_model()
+    common = dict(max_steps=6, save_steps=3, report_to="csv")  # 6 steps of a 16-step epoch: resumed mid-epoch
+    first = train(finished_model, data, settings(tmp_path, **common))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    log_before = (tmp_path / "log.csv").read_text()
+    capsys.readouterr()
+
+    resumed_model = trainable_model(seed=123)  # other weights: the finished run's must come from checkpoint-6
+    again = train(resumed_model, data, settings(tmp_path, **common, resume_from_checkpoint=True))
+    assert "run already finished at step 6 of 6; nothing to train" in capsys.readouterr().out
+    assert again.steps == 6 and again.train_seconds == 0
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert (tmp_path / "log.csv").read_text() == log_before
+    assert again.eval_loss == first.eval_loss  # the finished run's last evaluation
+    for (name, a), (_, b) in zip(finished_model.named_parameters(), resumed_model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_resuming_past_max_steps_trains_nothing(tmp_path, capsys):
+    data = synthetic_lm_data()
+    train(trainable_model(), data, settings(tmp_path, max_steps=6, save_steps=6))
+    capsys.readouterr()
+    result = train(trainable_model(), data, settings(tmp_path, max_steps=4, save_steps=6, resume_from_checkpoint=True))
+    assert "run already at step 6, past max_steps 4; nothing to train" in capsys.readouterr().out
+    assert result.steps == 6 and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6"]
+
+
+@pytest.mark.parametrize("max_steps,eval_points,expected_eval_steps", [
+    (6, None, [6]),  # default: 10 evaluations at least 10 steps apart -> a short run evaluates once, at the end
+    (10, None, [10]),
+    (25, None, [10, 20, 25]),
+    (7, 3, [3, 6, 7]),  # ceil(7 / 3) = 3 steps apart, the last at max_steps: never more than eval_points
+    (6, 6, [1, 2, 3, 4, 5, 6]),
+])
+def test_evaluations_are_spread_over_the_run(tmp_path, max_steps, eval_points, expected_eval_steps):
+    run = settings(tmp_path, max_steps=max_steps, eval_steps=None, eval_points=eval_points, logging_steps=None)
+    result = train(trainable_model(), synthetic_lm_data(train_blocks=128), run)
+    assert [e["step"] for e in result.log_history if "eval_loss" in e] == expected_eval_steps
+    assert result.evaluations == len(expected_eval_steps)
+    runtimes = [e["eval_runtime"] for e in result.log_history if "eval_runtime" in e]
+    assert result.eval_seconds == pytest.approx(sum(runtimes)) and result.eval_seconds > 0
+
+
+@pytest.mark.parametrize("max_steps,eval_every,log_every", [
+    (1, 1, 1), (10, 10, 1), (50, 10, 1), (51, 10, 2), (101, 11, 3), (1000, 100, 20), (100_000, 10_000, 2000),
+])
+def test_default_intervals_scale_with_max_steps(tmp_path, max_steps, eval_every, log_every):
+    run = settings(tmp_path, max_steps=max_steps, eval_steps=None, logging_steps=None)
+    assert evaluation_interval(run) == eval_every and logging_interval(run) == log_every
+    explicit = settings(tmp_path, max_steps=max_steps, eval_steps=7, logging_steps=3)
+    assert evaluation_interval(explicit) == 7 and logging_interval(explicit) == 3
+
+
+def test_default_logging_logs_about_50_times_a_run(tmp_path):
+    result = train(trainable_model(), synthetic_lm_data(train_blocks=128),
+                   settings(tmp_path, max_steps=60, logging_steps=None, eval_steps=60))
+    assert [e["step"] for e in result.log_history if "loss" in e] == list(range(2, 61, 2))  # ceil(60 / 50) = 2
+
+
+def test_eval_steps_and_eval_points_together_are_an_error(tmp_path):
+    with pytest.raises(ValueError, match="eval_steps .* and eval_points .* pass one of them"):
+        settings(tmp_path, eval_steps=3, eval_points=2)
+    with pytest.raises(ValueError, match="eval_points must be >= 1"):
+        settings(tmp_path, eval_steps=None, eval_points=0)

@@ -10,10 +10,9 @@ TORCH_VERSION := 2.13.0
 setup: $(STAMP)
 
 # One line per stage; pip runs quietly (its errors still show). torch is pinned again in the last stage so that
-# resolving this package's dependencies can never replace it with another build. editable_mode=compat: a .pth file
-# puts this folder on sys.path (the presets are read from configuration/, see configuration_memoryformer._preset_path);
-# the default editable mode would, for the configuration/ -> modeling_memoryformer.presets mapping, install an import
-# hook and print a warning about it.
+# resolving this package's dependencies can never replace it with another build. setuptools adds a note to every
+# editable install of a package with a package-dir mapping (configuration/ -> modeling_memoryformer.presets): "be
+# careful with folders ... named like your package"; that note alone is filtered out (PYTHONWARNINGS).
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; run 'make PYTHON=/path/to/python3.11 ...'"; exit 1; }
 	@echo "[1/4] creating the venv $(VENV) ($(PYTHON))"
@@ -23,7 +22,7 @@ $(STAMP): pyproject.toml
 	@echo "[3/4] torch $(TORCH_VERSION) (CPU)"
 	@$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	@echo "[4/4] memoryformer-hf (editable) with its dev extras"
-	@$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[dev]" torch==$(TORCH_VERSION)
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev]" torch==$(TORCH_VERSION)
 	@touch $(STAMP)
 	@echo "ready: $(VENV)/bin/memoryformer --help"
 

@@ -48,6 +48,7 @@ import os
 import re
 import select
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -73,8 +74,11 @@ HUB_TO_LOCAL = {"EleutherAI/pythia-70m": "pythia-70m"}
 
 # README text -> what the test runs instead: the same commands, shorter. Each key must occur in a block that runs.
 SHORTER = {
-    # Training: 1000 steps of the demo shape with checkpoints -> 2 steps and one checkpoint (which --resume finds)
-    "memoryformer train --out runs/mf --save-steps 200": "memoryformer train --out runs/mf --save-steps 2 --max-steps 2",
+    # Training: 1000 steps of the demo shape (d 256) with checkpoints -> 2 steps at d 64, one checkpoint (which
+    # --resume finds)
+    "memoryformer train --out runs/mf --save-steps 200":
+        "memoryformer train --out runs/mf --save-steps 2 --max-steps 2 --hidden-size 64",
+    "hidden_size=256, num_hidden_layers=4,": "hidden_size=64, num_hidden_layers=4,",
     "max_steps=1000, save_steps=500": "max_steps=2, save_steps=2",
     # Converting: 500 distillation steps and the default calibration (32768 tokens, up to 20 sweeps) -> a sketch
     "--distill-steps 500": "--distill-steps 2 --calib-tokens 2048 --sweeps 2",
@@ -385,9 +389,11 @@ def _tail(text: str | bytes | None, limit: int = 6000) -> str:
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    run = ReadmeRun(tmp_path_factory.mktemp("readme"))
+    root = tmp_path_factory.mktemp("readme")
+    run = ReadmeRun(root)
     yield run
     run.close()
+    shutil.rmtree(run.workspace, ignore_errors=True)  # some GB of models and checkpoints
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])

@@ -206,6 +206,23 @@ def test_readme_markers_are_well_formed():
         assert block.skip_reason is None or block.skip_reason, f"{block.id}: a skip marker needs a reason"
 
 
+def test_markers_are_read_as_the_docstring_says():
+    text = "\n".join([
+        "## A", "<!-- readme-test: skip (needs the network) -->", "```bash", "curl x", "```",
+        "```bash", "echo runs", "```", "```", "output, not code", "```",
+        "### B", "```python", "x = 1", "```",
+        "<!-- readme-test: skip (a reason) -->", "", "```bash", "echo marker not directly above", "```",
+        "<!-- readme-test: network -->", "```sh", "echo unknown marker", "```",
+    ])
+    blocks, problems = read_blocks(text)
+    assert [(b.language, b.section, b.skip_reason) for b in blocks] == [
+        ("bash", "A", "needs the network"), ("bash", "A", None), ("python", "B", None), ("bash", "B", None),
+        ("sh", "B", None),
+    ]
+    assert blocks[1].code == "echo runs\n"
+    assert len(problems) == 2 and "not directly above" in problems[0] and "unknown marker" in problems[1]
+
+
 def test_readme_uses_no_development_paths():
     """`../shared/...` exists in the development setup only; a reader's clone has no such folder."""
     assert "../shared" not in README_TEXT

@@ -188,7 +188,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expand-bits", type=int, default=defaults.expand_bits, help="e of the Memory Block")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per training sequence")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="training steps, same for both models")
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps,
+                        help="training steps, same for both models")
     parser.add_argument("--eval-points", type=int, default=defaults.eval_points,
                         help="validation evaluations along each model's run (the points of the loss curves)")
     parser.add_argument("--lr-multiplier", type=float, default=None,
@@ -313,7 +314,8 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="ID",
                         help="Hub id of a training dataset, repeatable (default: none)")
     parser.add_argument("--license", default="apache-2.0", help="license of the model card")
-    parser.add_argument("--private", action="store_true", help="create the repo private (an existing repo is unchanged)")
+    parser.add_argument("--private", action="store_true",
+                        help="create the repo private (an existing repo is unchanged)")
     parser.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE, help="message of the Hub commit")
 
 

@@ -399,8 +399,10 @@ def checkpoint_step(folder: str) -> int:
 
 
 def finished_message(step: int, max_steps: int) -> str:
-    where = f"finished at step {step} of {max_steps}" if step == max_steps else f"at step {step}, past max_steps {max_steps}"
-    return f"run already {where}; nothing to train"
+    """The line a resumed run prints when its checkpoint is at (or past) max_steps."""
+    if step == max_steps:
+        return f"run already finished at step {step} of {max_steps}; nothing to train"
+    return f"run already at step {step}, past max_steps {max_steps}; nothing to train"
 
 
 def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> TrainingResult:

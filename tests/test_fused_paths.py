@@ -165,6 +165,15 @@ def test_packed_forward_is_picked_for_l3_sized_float32_tables_and_many_tokens(ma
     assert ops().plan(2048, 64, 256, 512, torch.float32, True) == "bucketed"
 
 
+def test_tables_beyond_the_cache_are_streamed_from_two_lookups_per_row(machine):
+    """A 128 MB table set (64 tables of 1024 rows x 512) beyond a 32 MB L3: from 2 lookups per row (N >= 2 x 1024)
+    one sequential pass over the tables (bucketed) replaces the random row reads (embedding_bag)."""
+    machine(32 << 10, 1 << 20, 32 << 20, 2)
+    assert ops().plan(2047, 64, 1024, 512, torch.float32, False) == "embedding_bag"
+    assert ops().plan(2048, 64, 1024, 512, torch.float32, False) == "bucketed"
+    assert ops().plan(4096, 64, 1024, 512, torch.float32, False) == "bucketed"
+
+
 def test_packed_sizes_follow_l2_and_compute_the_same_function(machine):
     """A 256 KB L2 gives 64 KB packed groups (2 tables of 256 x 32 floats instead of 8) and 512-token chunks: the
     packed pass then runs 4 chunks and 32 groups per column block and must still give exactly the same output."""

@@ -28,7 +28,7 @@ Stand-ins: the files that the README's download block (Install, skipped: it need
 made small by `make_stand_ins`:
 - `pythia-70m/`, what `hf download EleutherAI/pythia-70m --local-dir pythia-70m` writes: the Pythia tokenizer
   (from ../shared/data/pythia-tokenizer of this development setup when present, else a byte-level BPE trained on the
-  embedded CPython docs, so nothing here needs ../shared) and a random GPT-NeoX of width 64 and 2 layers with
+  embedded CPython docs, so nothing here needs ../shared) and a random GPT-NeoX of width 64 and 1 layer with
   Pythia-70M's vocabulary size and config format;
 - `corpus.txt`, `tinyshakespeare.txt`, `wikitext-2/valid.txt`: slices of the embedded CPython docs.
 
@@ -289,7 +289,7 @@ def make_stand_ins(workspace: Path) -> None:
     tokenizer.save_pretrained(folder)
     vocab_size = 50304 if len(tokenizer) <= 50304 else len(tokenizer)  # Pythia pads its vocabulary to 50304
     config = GPTNeoXConfig(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256,
         max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )

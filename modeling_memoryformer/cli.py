@@ -92,8 +92,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The parser: every command's options with their defaults in --help. A command's options are added when that command
-# is parsed or its help is printed, so `memoryformer --help` imports no command module (conversion and kernel_report
-# define their own options and import torch when `convert` or `kernels` is used).
+# is parsed or its help is printed, and comes from a module without torch (here, or a light settings module such as
+# convert_settings), so no `--help` imports torch.
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -319,6 +319,25 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE, help="message of the Hub commit")
 
 
+# kernel_report.DTYPES (its keys), repeated for --help like PRESETS; tests/test_cli_help.py checks that they agree.
+KERNEL_DTYPES = ("fp32", "bf16", "fp16", "fp64")
+
+
+def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="model whose Memory Layers are planned")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None,
+        help="token counts per call to plan for (default: 1 = decode, 2048 = prefill 1 x 2048, "
+        "4096 = training 8 x 512)",
+    )
+    parser.add_argument("--dtype", choices=KERNEL_DTYPES, default="fp32", help="table value type (default fp32)")
+    parser.add_argument(
+        "--cache-sizes", nargs=3, metavar=("L1D", "L2", "L3"), default=None,
+        help="plan as if the caches had these sizes (e.g. 48K 1M 32M) instead of the detected ones",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
 # (command, help, its options: a function here or "module:function", its runner "module:function")
 COMMANDS = (
     ("demo", "Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report.",
@@ -328,7 +347,7 @@ COMMANDS = (
     ("buckets", "Bucket-hit histograms and uniformity of a model's hash tables (Fig. 4).",
      add_bucket_arguments, "buckets:run_buckets"),
     ("convert", "Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer.",
-     "conversion:add_convert_arguments", "conversion:run_convert"),
+     "convert_settings:add_convert_arguments", "conversion:run_convert"),
     ("eval", "Zero-shot tasks with lm-evaluation-harness; perplexity on a text file.",
      add_eval_arguments, "evaluation:run_eval"),
     ("push", "Push a saved model, its tokenizer and a generated model card to the Hub.",
@@ -338,7 +357,7 @@ COMMANDS = (
     ("flops", "FLOPs per block and table memory against the Pythia twin (paper Table 1).",
      add_flops_arguments, _flops),
     ("kernels", "CPU features, cache sizes, the fused kernel's vector layer and its strategy per Memory Layer.",
-     "kernel_report:add_kernels_arguments", "kernel_report:run_kernels"),
+     add_kernels_arguments, "kernel_report:run_kernels"),
 )
 
 

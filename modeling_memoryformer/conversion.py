@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -39,44 +39,11 @@ from .convert_mapping import (
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
+from .convert_settings import INITS, ConvertSettings, add_convert_arguments
 from .data import load_tokenizer, refused_checkpoint_message, text_blocks
 
 
-INITS = ("data-free", "calibrated")
 SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")))
-
-
-@dataclass
-class ConvertSettings:
-    """Options of `memoryformer convert` (see `add_convert_arguments` for their meaning)."""
-
-    source: str
-    out: str
-    init: str | None = None  # None: "calibrated" when calib_text is given, else "data-free"
-    calib_text: str | None = None
-    eval_text: str | None = None  # None: the last eval_fraction of calib_text is held out
-    eval_fraction: float = 0.1
-    tokenizer: str | None = None  # None: the source folder's tokenizer
-    hash_bits: int = 8
-    hash_temperature: float = 1.0
-    seq_len: int = 128
-    calib_tokens: int = 32768
-    eval_tokens: int = 16384
-    ridge: float = 0.1
-    sweeps: int = 20
-    tolerance: float = 1e-3
-    distill_steps: int = 0
-    distill_cpu_minutes: float | None = None
-    distill_lr: float = 1e-4
-    distill_embeddings: bool = False
-    batch_size: int = 8
-    seed: int = 0
-    overwrite: bool = False
-    progress: bool = True
-
-    @property
-    def resolved_init(self) -> str:
-        return self.init or ("calibrated" if self.calib_text else "data-free")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -387,42 +354,6 @@ def plot_layer_errors(report: dict, path: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Command line
-
-
-def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `memoryformer convert` (and of conversion/convert_pythia.py)."""
-    defaults = ConvertSettings(source="", out="")
-    parser.add_argument("--from", dest="source", required=True, help="GPT-NeoX model folder (safetensors) or Hub id")
-    parser.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    parser.add_argument("--init", choices=INITS, default=None,
-                        help="table initialisation (default: calibrated with --calib-text, else data-free)")
-    parser.add_argument("--calib-text", default=None, help="plain-text file for calibration and distillation")
-    parser.add_argument("--eval-text", default=None,
-                        help="held-out plain text (default: the last --eval-fraction of --calib-text)")
-    parser.add_argument("--eval-fraction", type=float, default=defaults.eval_fraction)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the source's)")
-    parser.add_argument("--hash-bits", type=int, default=defaults.hash_bits, help="tau; must divide d and 4d")
-    parser.add_argument("--hash-temperature", type=float, default=defaults.hash_temperature)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    parser.add_argument("--calib-tokens", type=int, default=defaults.calib_tokens,
-                        help="calibration tokens per fit (bounds the fit's memory)")
-    parser.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens)
-    parser.add_argument("--ridge", type=float, default=defaults.ridge,
-                        help="ridge strength relative to the mean diagonal of the design's normal matrix")
-    parser.add_argument("--sweeps", type=int, default=defaults.sweeps, help="max block-coordinate sweeps per layer")
-    parser.add_argument("--tolerance", type=float, default=defaults.tolerance)
-    parser.add_argument("--distill-steps", type=int, default=defaults.distill_steps,
-                        help="distillation steps (0: none, unless --distill-cpu-minutes sets a budget)")
-    parser.add_argument("--distill-cpu-minutes", type=float, default=None,
-                        help="CPU-time budget of distillation (the schedule runs over it; with --distill-steps, whichever ends first)")
-    parser.add_argument("--distill-lr", type=float, default=defaults.distill_lr,
-                        help="peak AdamW rate; higher rates (3e-4 and up) measurably hurt a calibrated start")
-    parser.add_argument("--distill-embeddings", action="store_true",
-                        help="also train the token embeddings and LM head (copied from the teacher; frozen by default)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
 
 
 def run_convert(args: argparse.Namespace) -> int:

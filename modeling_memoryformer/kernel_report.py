@@ -386,21 +386,6 @@ def format_report(report: dict) -> str:
 # Command line
 
 
-def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="model whose Memory Layers are planned")
-    parser.add_argument(
-        "--tokens", type=int, nargs="+", default=None,
-        help="token counts per call to plan for (default: 1 = decode, 2048 = prefill 1 x 2048, "
-        "4096 = training 8 x 512)",
-    )
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="table value type (default fp32)")
-    parser.add_argument(
-        "--cache-sizes", nargs=3, metavar=("L1D", "L2", "L3"), default=None,
-        help="plan as if the caches had these sizes (e.g. 48K 1M 32M) instead of the detected ones",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
 def run_kernels(args: argparse.Namespace) -> int:
     config = MemoryFormerConfig.from_preset(args.preset)
     cache_sizes = None if args.cache_sizes is None else tuple(parse_size(s) for s in args.cache_sizes)

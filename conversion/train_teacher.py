@@ -20,11 +20,12 @@ import os
 import sys
 
 import torch
-from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from modeling_memoryformer.conversion import ConversionError, staged_folder, text_blocks
 from modeling_memoryformer.convert_distill import TrainingBudget, train_student
 from modeling_memoryformer.convert_evaluate import perplexity
+from modeling_memoryformer.data import load_tokenizer
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,13 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--summary", default=os.path.join(HERE, "results", "teacher.json"))
     args = parser.parse_args(argv)
-    for path in (args.text, args.tokenizer):
-        if not os.path.exists(path):
-            print(f"error: {path} does not exist (Tiny Shakespeare and the Pythia tokenizer are expected in "
-                  "../shared/data; pass --text / --tokenizer).", file=sys.stderr)
-            return 2
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if not os.path.exists(args.text):
+        print(f"error: {args.text} does not exist (pass --text with a plain-text file, e.g. Tiny Shakespeare).",
+              file=sys.stderr)
+        return 2
+    try:  # a local folder or a Hub id (e.g. EleutherAI/pythia-70m)
+        tokenizer = load_tokenizer(args.tokenizer, hint="Pass --tokenizer with a tokenizer folder or a Hub id.",
+                                   pad_with_eos=False)
+    except (OSError, ValueError) as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
     with open(args.text, encoding="utf-8") as f:
         train_text, held_out_text = held_out_split(f.read())
     train_ids = text_blocks(train_text, tokenizer, args.seq_len)

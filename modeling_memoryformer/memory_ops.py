@@ -261,6 +261,9 @@ def memory_lookup(
     return _gather_accumulate(rows, scores, tables, bias)
 
 
+_LINEAR_ROWS_MAX = 4  # kLinearMaxRows of the C++ kernel (its op linear_rows_max() says the same; a test checks)
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; the fused kernel's few-row pass where it applies: at most `linear_rows_max()`
     rows (tokens) of float32 input on the CPU with no gradient to record, i.e. the LM head while decoding.
@@ -284,9 +287,6 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         y = torch.ops.memoryformer_cpu.linear_rows(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
-
-
-_LINEAR_ROWS_MAX = 4  # kLinearMaxRows of the C++ kernel (its op linear_rows_max() says the same; a test checks)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -281,14 +281,14 @@ def total_memory_bytes() -> int | None:
 
 def cpu_model() -> str:
     """The CPU's name, as `memoryformer kernels` prints it."""
-    from modeling_memoryformer.kernel_report import cpu_model as model
+    from modeling_memoryformer.evaluation.kernel_report import cpu_model as model
 
     return model()
 
 
 def cpu_flags() -> list[str]:
     """The CPU's vector features that matter for the kernels (x86 SSE4.2 ... AVX-512, AMX; aarch64 ASIMD, SVE)."""
-    from modeling_memoryformer.kernel_report import cpu_features
+    from modeling_memoryformer.evaluation.kernel_report import cpu_features
 
     return cpu_features()
 
@@ -340,7 +340,7 @@ def environment() -> dict:
     import transformers
 
     from modeling_memoryformer import memory_ops
-    from modeling_memoryformer.kernel_report import load_kernel_timed
+    from modeling_memoryformer.evaluation.kernel_report import load_kernel_timed
 
     # first: builds/loads the fused kernel (once per process) before anything is timed, and reports how long it took
     kernel_build_load_seconds = round(load_kernel_timed(), 3)

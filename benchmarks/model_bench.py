@@ -488,7 +488,7 @@ def _rss_worker(job: dict) -> None:
         set_kernel(job["kernel"])
         if get_kernel() != job["kernel"]:
             raise RuntimeError(f"kernel {job['kernel']!r} requested, {get_kernel()!r} active")
-    from modeling_memoryformer.kernel_report import load_kernel_timed
+    from modeling_memoryformer.evaluation.kernel_report import load_kernel_timed
 
     load_kernel_timed()  # the one-time kernel build/load: not in worker_s
     rss_import = current_rss_bytes()

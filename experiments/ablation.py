@@ -29,9 +29,9 @@ import torch
 from transformers import set_seed
 
 from modeling_memoryformer import MemoryFormerForCausalLM
-from modeling_memoryformer.data import build_lm_data
-from modeling_memoryformer.flops import per_block_flops, table_memory
-from modeling_memoryformer.training import TrainingSettings, config_for_tokenizer, default_learning_rate, train
+from modeling_memoryformer.training.data import build_lm_data
+from modeling_memoryformer.evaluation.flops import per_block_flops, table_memory
+from modeling_memoryformer.training.trainer import TrainingSettings, config_for_tokenizer, default_learning_rate, train
 
 BASE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, hash_bits=8, expand_bits=2)
 

@@ -1,5 +1,12 @@
 """MemoryFormer for Hugging Face Transformers.
 
+The modules at this level are the model unit, the files that `save_pretrained` copies next to the weights for
+`trust_remote_code=True`: configuration_memoryformer, modeling_memoryformer, memory_ops (the Memory Layer op, its
+reference and the kernel dispatch and loader) and memory_kernel_source (generated from csrc/). They import no tool.
+The tools are the subpackages, each importing the model unit and never imported by it: training, evaluation,
+conversion, comparison (the Pythia twin and the demo), integrations (Hub, PEFT, distribution) and cli (the
+`memoryformer` command); presets holds the preset configs.
+
 `import modeling_memoryformer` registers MemoryFormer with AutoConfig, AutoModel and AutoModelForCausalLM.
 
 The import itself is light (no torch, no transformers), so that `memoryformer --help` answers at once. The model
@@ -61,18 +68,7 @@ def _register() -> None:
     model.register_for_auto_class("AutoModel")
     causal_lm.register_for_auto_class("AutoModelForCausalLM")
 
-    # `model.push_to_hub(...)` uploads the generated MemoryFormer model card (architecture, FLOPs, usage) instead of
-    # transformers' generic one.
-    MemoryFormerPreTrainedModel.model_card_writer = _write_model_card  # noqa: F821
     sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _RegisterAfterImport)]
-
-
-def _write_model_card(model, folder, repo_id, **card_kwargs):
-    """`hub.write_model_card`, imported when called: registration may run while hub.py itself is being imported
-    (hub imports the model files), so it cannot import hub."""
-    from .hub import write_model_card
-
-    return write_model_card(model, folder, repo_id, **card_kwargs)
 
 
 def _initializing(name: str) -> bool:

@@ -375,16 +375,11 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = True
     _supports_context_parallel = False  # not tested across ranks
-    _can_compile_fullgraph = True  # tests/test_capabilities.py: static-cache generate compiled fullgraph == eager
+    _can_compile_fullgraph = True  # tests/model/test_capabilities.py: static-cache generate compiled fullgraph == eager
     _can_record_outputs = {
         "hidden_states": MemoryFormerDecoderLayer,
         "attentions": MemoryFormerAttention,
     }
-
-    # Writes the README.md that `push_to_hub` uploads: (model, folder, repo_id) -> path, keeping the tags of the card
-    # already in the folder. The package sets it on import (`modeling_memoryformer.hub.write_model_card`); remote code
-    # without the package keeps transformers' card.
-    model_card_writer: Callable | None = None
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -407,14 +402,6 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
                 "AutoModelForCausalLM": f"{module}.MemoryFormerForCausalLM",
             }
         return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        # `push_to_hub` has written transformers' generic card (with the caller's tags) into working_dir: replace it
-        # with the MemoryFormer card.
-        writer = type(self).model_card_writer
-        if writer is not None:
-            writer(self, working_dir, repo_id)
-        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
 class MemoryFormerModel(MemoryFormerPreTrainedModel):

@@ -172,15 +172,17 @@ print(f"max |fast - reference| = {(y - reference).abs().max().item():.2e}")
     md("""
 ## FLOPs and table memory against the Pythia twins
 
-The same table `memoryformer flops` prints (`modeling_memoryformer.flops.comparison_table`), per block at sequence
-length 2048, one multiply-add = one FLOP, memory in fp16 with 1 MB = 1e6 bytes. A lookup costs K * d_out multiply-adds
-instead of d_in * d_out, so the fully-connected part shrinks tau = 8 times per layer; attention (2 s^2 d) is unchanged
-and dominates what is left. The price is memory: 2^tau / tau = 32 times more values than the dense weights.
+The same table `memoryformer flops` prints (`modeling_memoryformer.evaluation.flops.comparison_table`), per block at
+sequence length 2048, one multiply-add = one FLOP, memory in fp16 with 1 MB = 1e6 bytes. A lookup costs K * d_out
+multiply-adds instead of d_in * d_out, so the fully-connected part shrinks tau = 8 times per layer; attention (2 s^2 d)
+is unchanged and dominates what is left. The price is memory: 2^tau / tau = 32 times more values than the dense weights.
 """),
     code("""
 from IPython.display import Markdown, display
 
-from modeling_memoryformer.flops import comparison_table, layer_memory_table, per_block_flops, pythia_block_flops
+from modeling_memoryformer.evaluation.flops import (
+    comparison_table, layer_memory_table, per_block_flops, pythia_block_flops
+)
 
 presets = {name: MemoryFormerConfig.from_preset(name) for name in ("tiny", "small", "base")}
 display(Markdown(comparison_table(presets, seq_len=2048)))
@@ -225,10 +227,11 @@ TRAINING = [
     md("""
 # 02 · Training a MemoryFormer against its Pythia twin
 
-The project's main job, `memoryformer demo`, from Python: `modeling_memoryformer.demo.run_demo(DemoSettings(...))`
-trains a MemoryFormer and its Pythia-shaped dense twin (same width, depth, heads, vocabulary, rotary) on the same
-tokens, the MemoryFormer at 3x the twin's learning rate (paper section 4.1), then writes a report folder: `report.md`,
-`summary.json`, `loss_curves.png`, `buckets.png` (paper Fig. 4), `samples.md` and both checkpoints.
+The project's main job, `memoryformer demo`, from Python:
+`modeling_memoryformer.comparison.demo.run_demo(DemoSettings(...))` trains a MemoryFormer and its Pythia-shaped dense
+twin (same width, depth, heads, vocabulary, rotary) on the same tokens, the MemoryFormer at 3x the twin's learning rate
+(paper section 4.1), then writes a report folder: `report.md`, `summary.json`, `loss_curves.png`, `buckets.png` (paper
+Fig. 4), `samples.md` and both checkpoints.
 
 The data is the embedded default (the CPython documentation shipped in `pydoc_data`, with a byte-level BPE trained on
 it in seconds), so nothing is downloaded. The scale here is tiny (d = 64, 2 blocks, 48 steps of 8 x 64 tokens): the
@@ -242,7 +245,7 @@ import tempfile
 
 from IPython.display import Image, Markdown, display
 
-from modeling_memoryformer.demo import DemoSettings, run_demo
+from modeling_memoryformer.comparison.demo import DemoSettings, run_demo
 
 workdir = tempfile.TemporaryDirectory(prefix="mf-demo-")
 """),
@@ -300,12 +303,12 @@ for name, result in models.items():
 
 `run_demo` is a thin layer over three pieces you can use directly:
 
-- `modeling_memoryformer.data.build_lm_data(data, tokenizer, block_size, vocab_size, validation_fraction)` -> `LMData`
-  with `.train` / `.validation` (datasets of `{"input_ids", "labels"}` blocks) and `.tokenizer`. `data` is `None` (the
-  embedded text), a text file, a folder of `.txt` files, a `datasets` object or a dataset id; `tokenizer=None` trains
-  a byte-level BPE of `vocab_size` tokens on the training text.
-- `modeling_memoryformer.training.default_learning_rate(model)`: the Pythia rate of the model's width (1e-3 up to
-  d = 512), times 3 for a MemoryFormer (paper Table 4: a table row only gets gradient from the tokens that hash to
+- `modeling_memoryformer.training.data.build_lm_data(data, tokenizer, block_size, vocab_size, validation_fraction)`
+  -> `LMData` with `.train` / `.validation` (datasets of `{"input_ids", "labels"}` blocks) and `.tokenizer`. `data` is
+  `None` (the embedded text), a text file, a folder of `.txt` files, a `datasets` object or a dataset id;
+  `tokenizer=None` trains a byte-level BPE of `vocab_size` tokens on the training text.
+- `modeling_memoryformer.training.trainer.default_learning_rate(model)`: the Pythia rate of the model's width (1e-3 up
+  to d = 512), times 3 for a MemoryFormer (paper Table 4: a table row only gets gradient from the tokens that hash to
   it, so the tables want a larger rate).
 - `TrainingSettings` + `train(model, data, settings)`: `transformers.Trainer` with the paper's recipe (AdamW betas
   (0.9, 0.95), no decay on biases and norms, clipping at 1, warmup then cosine to 1%) -> `TrainingResult`.
@@ -315,9 +318,9 @@ import torch
 from transformers import set_seed
 
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
-from modeling_memoryformer.data import build_lm_data
-from modeling_memoryformer.training import TrainingSettings, default_learning_rate, train
-from modeling_memoryformer.twin import pythia_twin
+from modeling_memoryformer.training.data import build_lm_data
+from modeling_memoryformer.training.trainer import TrainingSettings, default_learning_rate, train
+from modeling_memoryformer.comparison.twin import pythia_twin
 
 data = build_lm_data(None, None, block_size=64, vocab_size=1024, validation_fraction=0.02, progress=False)
 tokenizer = data.tokenizer
@@ -394,9 +397,9 @@ from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM, set_seed
 
 from modeling_memoryformer import MemoryFormerConfig
 from modeling_memoryformer.conversion import ConvertSettings, convert_pythia
-from modeling_memoryformer.data import build_lm_data, embedded_default_text
-from modeling_memoryformer.training import TrainingSettings, train
-from modeling_memoryformer.twin import pythia_twin_config
+from modeling_memoryformer.training.data import build_lm_data, embedded_default_text
+from modeling_memoryformer.training.trainer import TrainingSettings, train
+from modeling_memoryformer.comparison.twin import pythia_twin_config
 
 workdir = tempfile.TemporaryDirectory(prefix="mf-convert-")
 """),
@@ -528,8 +531,8 @@ every Memory Layer) give exactly that, and shows near-uniform histograms (Fig. 4
 This notebook
 
 1. trains a tiny MemoryFormer for a few dozen steps on the embedded text;
-2. counts bucket hits on validation text with `modeling_memoryformer.buckets.collect_bucket_stats`, before and after
-   training, and plots them with `plot_bucket_histograms`; uniformity is read as the normalised entropy
+2. counts bucket hits on validation text with `modeling_memoryformer.evaluation.buckets.collect_bucket_stats`,
+   before and after training, and plots them with `plot_bucket_histograms`; uniformity is read as the normalised entropy
    H(p) / log 2^tau (1 = uniform) in `format_summary`;
 3. feeds one Memory Layer zero-centred, shifted and re-normalised inputs, to show why the LayerNorm matters.
 
@@ -543,9 +546,11 @@ from IPython.display import Image, display
 from transformers import set_seed
 
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM, MemoryLayer
-from modeling_memoryformer.buckets import BucketStats, collect_bucket_stats, format_summary, plot_bucket_histograms
-from modeling_memoryformer.data import build_lm_data
-from modeling_memoryformer.training import TrainingSettings, train
+from modeling_memoryformer.evaluation.buckets import (
+    BucketStats, collect_bucket_stats, format_summary, plot_bucket_histograms
+)
+from modeling_memoryformer.training.data import build_lm_data
+from modeling_memoryformer.training.trainer import TrainingSettings, train
 
 workdir = tempfile.TemporaryDirectory(prefix="mf-buckets-")
 """),
@@ -662,7 +667,7 @@ LORA = [
     md("""
 # 05 · LoRA fine-tuning with PEFT
 
-A Memory Layer has no weight matrix, so LoRA can adapt it in two ways (`modeling_memoryformer.peft_utils`):
+A Memory Layer has no weight matrix, so LoRA can adapt it in two ways (`modeling_memoryformer.integrations.peft`):
 
 - `kind="memory_layers"`: a dense low-rank path beside each lookup, y = MemoryLayer(x) + (alpha / r) B A x
   (`MemoryLayerLoRA`). It cannot be merged: the lookup is not linear in x.
@@ -683,8 +688,8 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
-from modeling_memoryformer.data import embedded_default_text, text_blocks, train_bpe_tokenizer
-from modeling_memoryformer.peft_utils import load_memoryformer_adapter, memoryformer_lora_config
+from modeling_memoryformer.training.data import embedded_default_text, text_blocks, train_bpe_tokenizer
+from modeling_memoryformer.integrations.peft import load_memoryformer_adapter, memoryformer_lora_config
 
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")  # peft reads it, not us
 
@@ -851,7 +856,7 @@ def build(cells) -> nbformat.NotebookNode:
 def execute(notebook: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:
     """Run every cell with the python3 kernel, cwd = notebooks/; raises on the first error. One OpenMP thread: the
     models are too small to gain from more, and on a busy machine OpenMP threads waiting for each other can make a
-    step tens of times slower (tests/test_notebooks.py runs them the same way)."""
+    step tens of times slower (tests/project/test_notebooks.py runs them the same way)."""
     from nbclient import NotebookClient
 
     client = NotebookClient(notebook, timeout=timeout, kernel_name="python3", record_timing=False,

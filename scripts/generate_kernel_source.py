@@ -2,7 +2,7 @@
 
 The C++ kernel is edited as a real file (csrc/memoryformer_cpu.cpp). `save_pretrained` copies only Python modules
 for remote code, so the source also travels as a string in a generated sibling module; its first line is a `#line`
-directive, so compiler errors name the .cpp file and its line. tests/test_kernel_source.py fails when the two differ.
+directive, so compiler errors name the .cpp file and its line. tests/kernel/test_kernel_source.py fails when the two differ.
 
     python scripts/generate_kernel_source.py          # rewrite the module
     python scripts/generate_kernel_source.py --check  # exit 1 when it is out of date

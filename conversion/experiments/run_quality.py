@@ -7,8 +7,8 @@ On the teacher of `train_teacher.py` (Tiny Shakespeare, first 90% train / last 1
    the same CPU-time budget;
 3. conversion/results/: quality.json, quality.md, and the conversion's report and per-layer error plot.
 
-    python conversion/train_teacher.py
-    python conversion/run_quality.py --teacher conversion/teacher --work conversion/work
+    python conversion/experiments/train_teacher.py
+    python conversion/experiments/run_quality.py --teacher conversion/teacher --work conversion/work
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import torch
 from transformers import AutoTokenizer
 
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
-from modeling_memoryformer.conversion import ConvertSettings, convert_pythia, split_text, text_blocks
-from modeling_memoryformer.convert_distill import TrainingBudget, train_student
-from modeling_memoryformer.convert_evaluate import perplexity
+from modeling_memoryformer.conversion.convert import ConvertSettings, convert_pythia, split_text
+from modeling_memoryformer.conversion.distill import TrainingBudget, train_student
+from modeling_memoryformer.conversion.evaluate import perplexity
+from modeling_memoryformer.training.data import text_blocks
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conversion/
 SHARED = os.path.join(HERE, os.pardir, os.pardir, "shared", "data")
 REPORT_FILES = ("conversion_report.json", "conversion_report.md", "layer_errors.png")
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     report = convert_pythia(settings)
     result = {
-        "command": "python conversion/run_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python conversion/experiments/run_quality.py "
+                   + " ".join(argv if argv is not None else sys.argv[1:]),
         "conversion": {"stages": {name: {k: v for k, v in stage.items() if k != "fit"}
                                   for name, stage in report["stages"].items()}},
         "conversion_wall_seconds": time.perf_counter() - start,

@@ -1,10 +1,13 @@
 """Share a MemoryFormer on the Hugging Face Hub.
 
 `model_card` writes the README.md of a model repo: YAML metadata for the Hub, the architecture, the FLOPs and table
-memory against the Pythia twin (`flops.py`), provenance, and how to load the model with this package installed or
-through `trust_remote_code=True`. `push_to_hub` saves the model (safetensors, the remote-code files and `auto_map`),
-tokenizer, generation config and that card into a temporary folder and uploads it as ONE commit, so a repo never
-holds half a model. `run_push` is the `memoryformer push` command (its options: `cli.add_push_arguments`).
+memory against the Pythia twin (`evaluation.flops`), provenance, and how to load the model with this package
+installed or through `trust_remote_code=True`. `push_to_hub` saves the model (safetensors, the remote-code files and
+`auto_map`), tokenizer, generation config and that card into a temporary folder and uploads it as ONE commit, so a
+repo never holds half a model. `run_push` is the `memoryformer push` command (its options: `cli.add_push_arguments`).
+
+The card is this module's work, not the model's: transformers' own `model.push_to_hub(...)` uploads transformers'
+generic card, as it does for remote code loaded without this package.
 
 The Hub is reached through huggingface_hub, which honours `HF_ENDPOINT` (a mirror or a local stand-in) and finds
 the token in `HF_TOKEN` or the `hf auth login` store.
@@ -23,7 +26,7 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .flops import (
+from ..evaluation.flops import (
     PYTHIA_TWINS,
     layer_memory_table,
     per_block_flops,
@@ -32,7 +35,7 @@ from .flops import (
     pythia_twin_name,
     table_memory,
 )
-from .modeling_memoryformer import MemoryFormerForCausalLM, MemoryFormerModel
+from ..modeling_memoryformer import MemoryFormerForCausalLM, MemoryFormerModel
 
 
 DEFAULT_COMMIT_MESSAGE = "Upload MemoryFormer model and model card"
@@ -124,11 +127,8 @@ def model_card(
 
 
 def write_model_card(model, folder: str | Path, repo_id: str | None, **card_kwargs) -> Path:
-    """Write `model_card(...)` to `folder/README.md`, keeping the tags of a README.md already there.
-
-    transformers' `model.push_to_hub` puts its generic card (with the user's `tags=`) in the folder it uploads;
-    this replaces it with the MemoryFormer card without losing those tags.
-    """
+    """Write `model_card(...)` to `folder/README.md`, keeping the tags of a README.md already there (e.g. the card
+    that transformers' `save_pretrained(..., push_to_hub=True)` or a user wrote)."""
     path = Path(folder, "README.md")
     if path.is_file():
         previous_tags = ModelCard.load(path).data.tags or []

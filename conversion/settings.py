@@ -1,7 +1,7 @@
 """The options of `memoryformer convert`: `ConvertSettings` and the command-line arguments made from it.
 
 A light module (no torch, no transformers), so that `memoryformer convert --help` answers at once; the conversion
-itself is `conversion.convert_pythia`.
+itself is `convert.convert_pythia`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ConvertSettings:
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `memoryformer convert` (and of conversion/convert_pythia.py)."""
+    """The options of `memoryformer convert`."""
     defaults = ConvertSettings(source="", out="")
     parser.add_argument("--from", dest="source", required=True, help="GPT-NeoX model folder (safetensors) or Hub id")
     parser.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")

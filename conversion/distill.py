@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .data import TokenBlocks
+from ..training.data import TokenBlocks
 
 
 @dataclass

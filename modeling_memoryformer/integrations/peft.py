@@ -29,7 +29,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
-from .modeling_memoryformer import MemoryLayer
+from ..modeling_memoryformer import MemoryLayer
 
 
 # Attribute names of the Memory Layers in MemoryFormer: attention Q/K/V (fused), the optional attention output

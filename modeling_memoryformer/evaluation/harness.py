@@ -249,7 +249,7 @@ EVAL_TOKENIZER_HINT = (
 
 
 def _load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    from .data import load_tokenizer
+    from ..training.data import load_tokenizer
 
     return load_tokenizer(name_or_path, hint=EVAL_TOKENIZER_HINT, pad_with_eos=False)
 
@@ -433,14 +433,14 @@ def _load_model_and_tokenizer(model_name: str, tokenizer_name: str | None, devic
     from transformers import AutoModelForCausalLM
 
     try:  # MemoryFormer is registered with the Auto classes: importing this module imported the package
-        from .checkpoints import load_pretrained_strict
+        from ..training.checkpoints import load_pretrained_strict
 
         model = load_pretrained_strict(AutoModelForCausalLM, model_name, "--model")
     except (OSError, ValueError) as error:
         raise ValueError(f"could not load a model from {model_name!r} ({error}); pass a folder written by "
                          "save_pretrained or a Hub id") from error
     except pickle.UnpicklingError as error:
-        from .data import refused_checkpoint_message
+        from ..training.data import refused_checkpoint_message
 
         raise ValueError(refused_checkpoint_message(model_name, "--model", error)) from error
     tokenizer = _load_tokenizer(tokenizer_name or model_name)

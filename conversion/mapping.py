@@ -12,7 +12,7 @@ What becomes a Memory Layer (each keeps its dense layer's bias as the starting p
     mlp.dense_4h_to_h          -> memory_block.layer2         (expand_bits=0: it hashes its 4d input with tau bits)
 
 The Memory Block has a LayerNorm between GELU and layer2 that Pythia's MLP has not; it is set to the identity affine
-map (weight 1, bias 0) and the tables of layer2 absorb the normalisation (see `convert_tables`).
+map (weight 1, bias 0) and the tables of layer2 absorb the normalisation (see `tables`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .configuration_memoryformer import MemoryFormerConfig
+from ..configuration_memoryformer import MemoryFormerConfig
 
 
 SUPPORTED_ACTIVATIONS = ("gelu",)  # nn.GELU() (exact erf form) is what the Memory Block applies

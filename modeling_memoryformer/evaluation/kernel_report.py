@@ -18,7 +18,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 
-from .configuration_memoryformer import PRESETS, MemoryFormerConfig
+from ..configuration_memoryformer import PRESETS, MemoryFormerConfig
 
 
 DEFAULT_WORKLOADS = {1: "decode, batch 1", 2048: "prefill, 1 x 2048", 4096: "training, 8 x 512"}
@@ -187,7 +187,7 @@ def kernel_status() -> dict:
     """Whether the fused kernel loads (building it the first time), its vector layer, and what Memory Layers use."""
     import warnings
 
-    from . import memory_ops
+    from .. import memory_ops
 
     reason = None
     with warnings.catch_warnings():
@@ -415,7 +415,7 @@ def load_kernel_timed() -> float:
     if _load_seconds is None:
         import time
 
-        from . import memory_ops
+        from .. import memory_ops
 
         start = time.perf_counter()
         if memory_ops._kernel_choice != "torch":
@@ -428,7 +428,7 @@ def load_kernel_timed() -> float:
 
 
 def _package_version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -443,7 +443,7 @@ def run_facts() -> dict:
     import torch
     import transformers
 
-    from . import memory_ops
+    from .. import memory_ops
 
     load_s = load_kernel_timed()
     try:

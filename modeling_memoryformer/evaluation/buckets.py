@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .modeling_memoryformer import MemoryLayer
+from ..modeling_memoryformer import MemoryLayer
 
 
 MAX_DEFAULT_PANELS = 6
@@ -332,14 +332,14 @@ def run_buckets(args: argparse.Namespace) -> int:
     --out (default: MODEL/buckets) and print the per-layer table. Returns the exit code."""
     from transformers import AutoModelForCausalLM
 
-    from .data import build_lm_data  # the training/data tools are only needed by the CLI
+    from ..training.data import build_lm_data  # the training/data tools are only needed by the CLI
 
     for flag in ("block_size", "batch_size", "max_tokens"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
             return 2
-    from .checkpoints import load_pretrained_strict
+    from ..training.checkpoints import load_pretrained_strict
 
     out = args.out if args.out is not None else default_bucket_folder(args.model)
     model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model")

@@ -4,10 +4,9 @@ when it is not, or loaded with some of its tensors silently re-initialised.
 - `load_pretrained_strict`: `from_pretrained` that refuses a checkpoint with missing, unexpected or mismatched
   tensors (naming them) instead of initialising the missing ones at random with a warning.
 - `checkpoint_problems` / `latest_complete_checkpoint`: a Trainer checkpoint is complete only when the completion
-  marker (written after every other file, see `training.MemoryFormerTrainer`) is there and every file the Trainer
+  marker (written after every other file, see `trainer.MemoryFormerTrainer`) is there and every file the Trainer
   wrote is present and intact (JSON parses, safetensors and torch archives are not truncated).
 - `check_train_output`: `memoryformer train` does not write over another run unless asked to.
-- `check_not_nested`: an output folder must not be, contain or lie inside a source folder.
 """
 
 from __future__ import annotations
@@ -29,6 +28,10 @@ SCHEDULER_FILE = "scheduler.pt"
 
 class IncompleteCheckpointError(ValueError):
     """A checkpoint lacks a file needed to resume, or one of its files is damaged."""
+
+
+class OutputExistsError(ValueError, FileExistsError):
+    """The output folder exists (or holds an earlier run) and replacing it was not asked for."""
 
 
 class LoadingMismatchError(ValueError):
@@ -204,8 +207,6 @@ def previous_run_files(out: str) -> list[str]:
 
 def check_train_output(out: str, resume, overwrite: bool) -> None:
     """`memoryformer train --out` must not hold another run unless the run is resumed or replacing it was asked."""
-    from .conversion import OutputExistsError
-
     if resume or overwrite:
         return
     found = previous_run_files(out)
@@ -217,34 +218,12 @@ def check_train_output(out: str, resume, overwrite: bool) -> None:
         )
 
 
-def check_not_nested(source, out, source_flag: str = "--from", out_flag: str = "--out") -> None:
-    """Refuse an `out` that is, contains or lies inside the local folder `source` (symlinks resolved): replacing
-    `out` would delete the source."""
-    from .conversion import ConversionError
-
-    if not os.path.exists(source):
-        return  # a Hub id
-    src, dst = os.path.realpath(source), os.path.realpath(out)
-    if src == dst:
-        relation = "is"
-    elif dst.startswith(src.rstrip(os.sep) + os.sep):
-        relation = "lies inside"
-    elif src.startswith(dst.rstrip(os.sep) + os.sep):
-        relation = "contains"
-    else:
-        return
-    raise ConversionError(
-        f"{out_flag} {out!r} {relation} {source_flag} {source!r} ({dst} vs {src}): writing it would overwrite or "
-        f"delete the source. Choose an output folder outside the source."
-    )
-
-
 __all__ = [
     "COMPLETE_MARKER",
     "IncompleteCheckpointError",
     "LoadingMismatchError",
+    "OutputExistsError",
     "check_loading_info",
-    "check_not_nested",
     "check_train_output",
     "checkpoint_problems",
     "latest_complete_checkpoint",

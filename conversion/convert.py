@@ -1,12 +1,5 @@
-"""Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer: `memoryformer convert --from SRC --out DIR`.
-
-Pipeline (each step is its own module):
-
-    convert_mapping   config and weights that carry over; the dense layers each Memory Layer replaces
-    convert_tables    least-squares tables: data-free closed form, calibrated ridge fit (formulas there)
-    convert_init      which input model / calibration data each Memory Layer of a block gets
-    convert_distill   optional distillation, KL(teacher || student) through transformers.Trainer
-    convert_evaluate  per-layer relative errors and held-out perplexity
+"""`convert_pythia`: the converter's steps in order (see the package's docstring for the module of each), and
+`run_convert`, the `memoryformer convert` command.
 
 The output folder holds the MemoryFormer (`save_pretrained`, safetensors, remote code), the tokenizer when there is
 one, `conversion_report.json`, `conversion_report.md` and `layer_errors.png`. It is written to a temporary sibling
@@ -29,18 +22,19 @@ from dataclasses import asdict
 
 import torch
 
-from .convert_distill import TrainingBudget, train_student
-from .convert_evaluate import layer_errors, perplexity
-from .convert_init import calibrate, data_free_init
-from .convert_mapping import (
+from ..training import checkpoints
+from ..training.data import load_tokenizer, refused_checkpoint_message, text_blocks
+from .distill import TrainingBudget, train_student
+from .evaluate import layer_errors, perplexity
+from .initialization import calibrate, data_free_init
+from .mapping import (
     MEMORY_LAYER_NAMES,
     ConversionError,
     copy_dense_weights,
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
-from .convert_settings import INITS, ConvertSettings, add_convert_arguments
-from .data import load_tokenizer, refused_checkpoint_message, text_blocks
+from .settings import INITS, ConvertSettings, add_convert_arguments
 
 
 SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")))
@@ -64,8 +58,6 @@ def check_settings(settings: ConvertSettings):
         if path is not None and not os.path.isfile(path):
             raise ConversionError(f"{flag} {path!r} is not a file. Pass a plain-text file.")
     _check_positive(settings)
-    from .checkpoints import check_not_nested
-
     check_not_nested(settings.source, settings.out)  # --overwrite would delete the source
     check_output_folder(settings.out, settings.overwrite)
     source_config = load_source_config(settings.source)
@@ -73,8 +65,28 @@ def check_settings(settings: ConvertSettings):
     return source_config, config
 
 
-class OutputExistsError(ConversionError, FileExistsError):
+class OutputExistsError(ConversionError, checkpoints.OutputExistsError):
     """The output folder exists and replacing it was not asked for."""
+
+
+def check_not_nested(source, out, source_flag: str = "--from", out_flag: str = "--out") -> None:
+    """Refuse an `out` that is, contains or lies inside the local folder `source` (symlinks resolved): replacing
+    `out` would delete the source."""
+    if not os.path.exists(source):
+        return  # a Hub id
+    src, dst = os.path.realpath(source), os.path.realpath(out)
+    if src == dst:
+        relation = "is"
+    elif dst.startswith(src.rstrip(os.sep) + os.sep):
+        relation = "lies inside"
+    elif src.startswith(dst.rstrip(os.sep) + os.sep):
+        relation = "contains"
+    else:
+        return
+    raise ConversionError(
+        f"{out_flag} {out!r} {relation} {source_flag} {source!r} ({dst} vs {src}): writing it would overwrite or "
+        f"delete the source. Choose an output folder outside the source."
+    )
 
 
 def check_output_folder(out: str, overwrite: bool) -> None:
@@ -150,7 +162,7 @@ def convert_pythia(settings: ConvertSettings) -> dict:
     _, config = check_settings(settings)
     teacher, tokenizer = _load_teacher(settings)
     data = _load_data(settings, tokenizer)
-    from .kernel_report import run_facts
+    from ..evaluation.kernel_report import run_facts
 
     facts = run_facts()  # loads (builds) the Memory Layer kernel before any stage is timed
     torch.manual_seed(settings.seed)
@@ -168,9 +180,8 @@ def _load_teacher(settings: ConvertSettings):
     from transformers import GPTNeoXForCausalLM
 
     try:
-        from .checkpoints import load_pretrained_strict
-
-        teacher = load_pretrained_strict(GPTNeoXForCausalLM, settings.source, "--from", dtype=torch.float32).eval()
+        teacher = checkpoints.load_pretrained_strict(GPTNeoXForCausalLM, settings.source, "--from",
+                                                     dtype=torch.float32).eval()
     except (OSError, ValueError) as error:
         raise ConversionError(f"Could not load the weights of --from {settings.source!r}: {error}") from error
     except pickle.UnpicklingError as error:
@@ -206,7 +217,7 @@ def _load_data(settings: ConvertSettings, tokenizer) -> dict[str, torch.Tensor]:
 
 
 def _convert(config, teacher, data: dict[str, torch.Tensor], settings: ConvertSettings, report: dict):
-    from .modeling_memoryformer import MemoryFormerForCausalLM
+    from ..modeling_memoryformer import MemoryFormerForCausalLM
 
     dense = dense_layers(teacher)
     stages = report["stages"]
@@ -306,7 +317,7 @@ def write_report(report: dict, folder: str) -> None:
 def report_markdown(report: dict) -> str:
     """The summary: held-out perplexity per stage, then the relative error of every Memory Layer per stage."""
     stages = report["stages"]
-    from .kernel_report import run_facts_line
+    from ..evaluation.kernel_report import run_facts_line
 
     lines = [f"# Conversion of `{report['source']}` ({report['init']} init)", ""]
     if report.get("run"):

@@ -5,7 +5,7 @@ hidden 256, 4 layers, 4 heads, with the Pythia tokenizer, trained on the first 9
 budget (default 15 CPU-minutes, all threads counted); the last 10% is held out. The number of optimizer steps that fits
 the budget is measured by a short probe, so the cosine schedule ends when the budget does.
 
-    python conversion/train_teacher.py --out conversion/teacher      # then: conversion/run_quality.py
+    python conversion/experiments/train_teacher.py --out conversion/teacher      # then: run_quality.py beside it
 
 Writes the model (safetensors) and the tokenizer to --out (outside git) and a summary to
 conversion/results/teacher.json.
@@ -22,13 +22,13 @@ import sys
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from modeling_memoryformer.conversion import ConversionError, staged_folder, text_blocks
-from modeling_memoryformer.convert_distill import TrainingBudget, train_student
-from modeling_memoryformer.convert_evaluate import perplexity
-from modeling_memoryformer.data import load_tokenizer
+from modeling_memoryformer.conversion.convert import ConversionError, staged_folder
+from modeling_memoryformer.conversion.distill import TrainingBudget, train_student
+from modeling_memoryformer.conversion.evaluate import perplexity
+from modeling_memoryformer.training.data import load_tokenizer, text_blocks
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conversion/
 SHARED = os.path.join(HERE, os.pardir, os.pardir, "shared", "data")
 
 
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             summary = {
-                "command": "python conversion/train_teacher.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": "python conversion/experiments/train_teacher.py "
+                           + " ".join(argv if argv is not None else sys.argv[1:]),
                 "config": {"hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads,
                            "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr},
                 "train_tokens": int(train_ids.numel()),

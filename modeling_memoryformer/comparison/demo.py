@@ -2,8 +2,8 @@
 
 Both models get the same tokenizer, data, block size, batch and number of steps (the same token budget); the twin
 trains at the dense learning rate of its size, the MemoryFormer at 3x (paper section 4.1, see
-`training.default_learning_rate`). The report folder holds, for each model, its final checkpoint and metrics, and
-for the pair: `summary.json`, `report.md` (the table the command also prints), `loss_curves.png`,
+`training.trainer.default_learning_rate`). The report folder holds, for each model, its final checkpoint and metrics,
+and for the pair: `summary.json`, `report.md` (the table the command also prints), `loss_curves.png`,
 `buckets.png` / `bucket_stats.json` (paper Fig. 4 on validation text) and `samples.md`.
 
 With no data given it runs on the embedded default (the CPython documentation in `pydoc_data`, with a byte-level
@@ -54,7 +54,7 @@ class DemoSettings:
 def memoryformer_config_for(settings: DemoSettings, tokenizer):
     """The MemoryFormer of the demo: a preset, or the small default shape; vocabulary and special tokens from the
     tokenizer."""
-    from .training import config_for_tokenizer
+    from ..training.trainer import config_for_tokenizer
 
     shape = dict(hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
                  num_attention_heads=settings.num_attention_heads, hash_bits=settings.hash_bits,
@@ -127,7 +127,7 @@ def plot_loss_curves(curves: dict[str, dict[str, list]], path: str, title: str) 
 
 
 def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_rate: float):
-    from .training import TrainingSettings, train
+    from ..training.trainer import TrainingSettings, train
 
     run = TrainingSettings(
         output_dir=output_dir,
@@ -148,7 +148,7 @@ def _out_of_domain_blocks(settings: DemoSettings, tokenizer) -> torch.Tensor | N
     """[S, block_size] token blocks of `settings.eval_text` (a text file), or None."""
     if settings.eval_text is None:
         return None
-    from .data import text_blocks
+    from ..training.data import text_blocks
 
     with open(settings.eval_text, encoding="utf-8") as f:
         blocks = text_blocks(f.read(), tokenizer, settings.block_size)
@@ -162,7 +162,7 @@ def run_demo(settings: DemoSettings) -> dict:
     """Train both models, measure, plot and write the report folder; return the summary (also in summary.json).
     The folder is written under a temporary sibling name and renamed when everything is in it (`staged_folder`): a
     failed run leaves nothing behind, and an existing folder is replaced only with `overwrite`."""
-    from .conversion import staged_folder
+    from ..conversion.convert import staged_folder
 
     if settings.eval_text is not None and not os.path.isfile(settings.eval_text):  # before any work is done
         raise FileNotFoundError(f"--eval-text {settings.eval_text!r} is not a file; pass a path to a text file.")
@@ -177,13 +177,13 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     import torch
     from transformers import set_seed
 
-    from .buckets import collect_bucket_stats, plot_bucket_histograms
-    from .convert_evaluate import perplexity
-    from .data import build_lm_data
-    from .flops import per_block_flops, pythia_block_flops
-    from .kernel_report import run_facts
-    from .modeling_memoryformer import MemoryFormerForCausalLM
-    from .training import default_learning_rate
+    from ..evaluation.buckets import collect_bucket_stats, plot_bucket_histograms
+    from ..conversion.evaluate import perplexity
+    from ..training.data import build_lm_data
+    from ..evaluation.flops import per_block_flops, pythia_block_flops
+    from ..evaluation.kernel_report import run_facts
+    from ..modeling_memoryformer import MemoryFormerForCausalLM
+    from ..training.trainer import default_learning_rate
     from .twin import pythia_twin
 
     start = time.perf_counter()
@@ -273,7 +273,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
 
 def format_report(summary: dict) -> str:
     """The markdown table of `summary` (what the demo prints and writes to report.md)."""
-    from .kernel_report import run_facts_line
+    from ..evaluation.kernel_report import run_facts_line
 
     models = summary["models"]
     mf, twin = models["MemoryFormer"], models["Pythia twin"]

@@ -1,5 +1,5 @@
 """Initialise the tables of a converted MemoryFormer: data-free (from the dense weights alone) or calibrated (from the
-dense layers' behaviour on real text). The formulas are in `convert_tables`; this module says which input model and
+dense layers' behaviour on real text). The formulas are in `tables`; this module says which input model and
 which target each Memory Layer of a block gets.
 
 Data-free input models (all coordinates independent; a LayerNorm's normalised value taken as N(0, 1)):
@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 
 from transformers.masking_utils import create_causal_mask
 
-from .convert_mapping import MEMORY_LAYER_NAMES, DenseLayer
-from .convert_tables import (
+from .mapping import MEMORY_LAYER_NAMES, DenseLayer
+from .tables import (
     CoordinateMoments,
     data_free_tables,
     fit_tables_ridge,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from .configuration_memoryformer import MemoryFormerConfig
+from ..configuration_memoryformer import MemoryFormerConfig
 
 
 def pythia_twin_config(config: MemoryFormerConfig, **overrides) -> GPTNeoXConfig:

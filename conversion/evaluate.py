@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from .convert_mapping import MEMORY_LAYER_NAMES, DenseLayer
+from .mapping import MEMORY_LAYER_NAMES, DenseLayer
 
 
 @torch.no_grad()

@@ -452,7 +452,7 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
 def config_for_tokenizer(tokenizer, preset: str | None, shape: dict, block_size: int, **overrides):
     """A MemoryFormerConfig whose vocabulary and special tokens are the tokenizer's: the preset's shape (with
     `overrides`), or `shape` (hidden_size, num_hidden_layers, ... fields) when no preset is named."""
-    from .configuration_memoryformer import MemoryFormerConfig
+    from ..configuration_memoryformer import MemoryFormerConfig
 
     special = dict(
         vocab_size=len(tokenizer),
@@ -474,7 +474,7 @@ def run_train(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, set_seed
 
     from .data import build_lm_data
-    from .modeling_memoryformer import MemoryFormerForCausalLM
+    from ..modeling_memoryformer import MemoryFormerForCausalLM
 
     # settings first: bad values fail before any data is read or tokenizer trained
     from .checkpoints import check_train_output, checkpoint_folders, load_pretrained_strict

@@ -20,16 +20,16 @@ import sys
 import time
 
 # Nothing heavy is imported here: torch, transformers and the model load inside the command that runs, so that
-# `memoryformer --help` and `memoryformer COMMAND --help` answer at once (tests/test_cli_help.py checks it).
+# `memoryformer --help` and `memoryformer COMMAND --help` answer at once (tests/tools/test_cli_help.py checks it).
 
 # configuration_memoryformer.PRESETS, repeated here because that module imports transformers (and torch);
-# tests/test_cli_help.py checks that the two agree.
+# tests/tools/test_cli_help.py checks that the two agree.
 PRESETS = ("tiny", "small", "base")
 
 
 def _flops(args: argparse.Namespace) -> int:
-    from .configuration_memoryformer import MemoryFormerConfig
-    from .flops import comparison_table, layer_memory_table
+    from ..configuration_memoryformer import MemoryFormerConfig
+    from ..evaluation.flops import comparison_table, layer_memory_table
 
     configs = {name: MemoryFormerConfig.from_preset(name) for name in args.preset}
     bytes_per_value = {"fp16": 2, "bf16": 2, "fp32": 4}[args.dtype]
@@ -44,9 +44,9 @@ def _generate(args: argparse.Namespace) -> int:
     """Build a preset, run a forward and a short greedy generation, print the FLOPs/memory comparison."""
     import torch
 
-    from . import MemoryFormerConfig, MemoryFormerForCausalLM
-    from .flops import comparison_table, layer_memory_table
-    from .kernel_report import run_facts, run_facts_line
+    from .. import MemoryFormerConfig, MemoryFormerForCausalLM
+    from ..evaluation.flops import comparison_table, layer_memory_table
+    from ..evaluation.kernel_report import run_facts, run_facts_line
 
     print(run_facts_line(run_facts()))  # loads (builds) the kernel first: not inside any timing below
     torch.manual_seed(args.seed)
@@ -54,7 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = MemoryFormerConfig.from_preset(args.preset, **overrides)
     tokenizer = None
     if args.tokenizer:  # before the model is built: a wrong path fails at once, with the fix
-        from .data import load_tokenizer
+        from ..training.data import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer, hint="Pass --tokenizer a tokenizer folder (with tokenizer.json) or "
                                    "a Hub id, or leave it out to prompt with random token ids.", pad_with_eos=False)
@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # The parser: every command's options with their defaults in --help. A command's options are added when that command
 # is parsed or its help is printed, and comes from a module without torch (here, or a light settings module such as
-# convert_settings), so no `--help` imports torch.
+# conversion.settings), so no `--help` imports torch.
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -135,11 +135,12 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def _resolve(target):
-    """`target` itself, or the function "module:function" names (module relative to this package), imported now."""
+    """`target` itself, or the function "module:function" names (module relative to modeling_memoryformer), imported
+    now."""
     if callable(target):
         return target
     module, function = target.split(":")
-    return getattr(importlib.import_module(f".{module}", __package__), function)
+    return getattr(importlib.import_module(f"..{module}", __package__), function)
 
 
 def _runner(target: str):
@@ -167,7 +168,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from .demo import DemoSettings  # a light module: no torch at import
+    from ..comparison.demo import DemoSettings  # a light module: no torch at import
 
     defaults = DemoSettings()
     parser.add_argument("--out", default=defaults.out, help="report folder")
@@ -267,8 +268,8 @@ def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-# evaluation.PAPER_TASKS and hub.DEFAULT_COMMIT_MESSAGE, repeated for --help (those modules import torch);
-# tests/test_cli_help.py checks that they agree.
+# evaluation.harness.PAPER_TASKS and integrations.hub.DEFAULT_COMMIT_MESSAGE, repeated for --help (those modules
+# import torch); tests/tools/test_cli_help.py checks that they agree.
 PAPER_TASKS = ("piqa", "winogrande", "wsc", "arc_easy", "arc_challenge", "logiqa")
 DEFAULT_COMMIT_MESSAGE = "Upload MemoryFormer model and model card"
 
@@ -319,7 +320,8 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE, help="message of the Hub commit")
 
 
-# kernel_report.DTYPES (its keys), repeated for --help like PRESETS; tests/test_cli_help.py checks that they agree.
+# evaluation.kernel_report.DTYPES (its keys), repeated for --help like PRESETS; tests/tools/test_cli_help.py checks that
+# they agree.
 KERNEL_DTYPES = ("fp32", "bf16", "fp16", "fp64")
 
 
@@ -341,23 +343,23 @@ def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
 # (command, help, its options: a function here or "module:function", its runner "module:function")
 COMMANDS = (
     ("demo", "Train a MemoryFormer and its Pythia twin side by side on the same tokens and write a report.",
-     add_demo_arguments, "demo:run_demo_cli"),
+     add_demo_arguments, "comparison.demo:run_demo_cli"),
     ("train", "Train a MemoryFormer with transformers.Trainer and the paper's recipe.",
-     add_train_arguments, "training:run_train"),
+     add_train_arguments, "training.trainer:run_train"),
     ("buckets", "Bucket-hit histograms and uniformity of a model's hash tables (Fig. 4).",
-     add_bucket_arguments, "buckets:run_buckets"),
+     add_bucket_arguments, "evaluation.buckets:run_buckets"),
     ("convert", "Convert a Pythia (GPT-NeoX) checkpoint into a MemoryFormer.",
-     "convert_settings:add_convert_arguments", "conversion:run_convert"),
+     "conversion.settings:add_convert_arguments", "conversion.convert:run_convert"),
     ("eval", "Zero-shot tasks with lm-evaluation-harness; perplexity on a text file.",
-     add_eval_arguments, "evaluation:run_eval"),
+     add_eval_arguments, "evaluation.harness:run_eval"),
     ("push", "Push a saved model, its tokenizer and a generated model card to the Hub.",
-     add_push_arguments, "hub:run_push"),
+     add_push_arguments, "integrations.hub:run_push"),
     ("generate", "Build a preset, run a forward and a generation, print FLOPs and memory.",
      add_generate_arguments, _generate),
     ("flops", "FLOPs per block and table memory against the Pythia twin (paper Table 1).",
      add_flops_arguments, _flops),
     ("kernels", "CPU features, cache sizes, the fused kernel's vector layer and its strategy per Memory Layer.",
-     add_kernels_arguments, "kernel_report:run_kernels"),
+     add_kernels_arguments, "evaluation.kernel_report:run_kernels"),
 )
 
 
@@ -393,6 +395,3 @@ def error_line(error: BaseException) -> str:
         message += ". Pass a path in a folder you can write to."
     return f"error: {message}"
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The kernel source builds for each x86-64 level and for aarch64, and each build computes the right function.
+
+The production kernel is built with -march=native, so a run on one machine checks only its own vector layer. Here
+`memory_ops.build_kernel_variant` builds the same source for -march=x86-64 (the DEFAULT layer), x86-64-v3 (AVX2) and
+x86-64-v4 (AVX-512), each with its ops in a namespace of its own; a build failure fails the test. When this CPU can run
+a build, its ops are checked against a float64 oracle: every forward strategy, the backward, hash and hash_backward,
+on shapes around the chunk and column-block edges (see test_fused_paths.py). aarch64 is checked with a cross
+compiler (syntax only). Each build takes well under a minute and is cached in the extension build root.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+
+from modeling_memoryformer import memory_ops
+from test_fused_paths import assert_close_scaled, assert_forward_matches_oracle, hashed_inputs, one_hot_scores
+
+
+ISA_OF_MARCH = {"x86-64": "DEFAULT", "x86-64-v3": "AVX2", "x86-64-v4": "AVX512"}
+ON_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# L1d, L2, L3 given to each build (set_cache_sizes): 4096-token packed chunks, 2048-token bucketed chunks (float32
+# accumulation), 256 KB packed groups, as on the 2-core EPYC the kernel was tuned on.
+CACHES = (32 << 10, 1 << 20, 32 << 20)
+
+
+@pytest.fixture(scope="module", params=list(ISA_OF_MARCH))
+def variant(request):
+    """(march, ops namespace or None when this CPU cannot run the build); the build itself must succeed."""
+    march = request.param
+    if not ON_X86:
+        pytest.skip(f"-march={march} is an x86-64 target and this host is {platform.machine()}")
+    runs = memory_ops.cpu_can_run(march)
+    namespace = memory_ops.build_kernel_variant(march, load=runs)  # raises (fails the test) when it does not build
+    if not runs:
+        yield march, namespace, runs
+        return
+    ops = getattr(torch.ops, namespace)
+    ops.set_cache_sizes(*CACHES)  # the chunk lengths the shapes below are chosen around, on any machine
+    try:
+        yield march, namespace, runs
+    finally:
+        ops.set_cache_sizes(0, 0, 0)
+
+
+def runnable(variant):
+    march, namespace, runs = variant
+    if not runs:
+        pytest.skip(f"built for -march={march}, but this CPU cannot run it (its /proc/cpuinfo flags)")
+    return getattr(torch.ops, namespace)
+
+
+def test_variant_builds(variant):
+    march, namespace, _ = variant
+    assert namespace == "memoryformer_cpu_" + march.replace("-", "_")
+
+
+def test_variant_reports_the_vector_layer_of_its_march(variant):
+    ops = runnable(variant)
+    assert ops.isa() == ISA_OF_MARCH[variant[0]]
+
+
+# tokens, tables, tau, width (chunk lengths as set by CACHES): one token; two chunks of the bucketed pass (2048 + 1)
+# with a ragged last 64-column block (160 = 64 + 64 + 32); two packed chunks (4100 > 4096) and three bucketed ones;
+# 20 tables of 256 rows (several packed groups, the next copied while the current one is summed).
+FORWARD_SHAPES = [(1, 3, 4, 32), (2049, 3, 6, 160), (4100, 2, 5, 96), (5, 20, 8, 64)]
+FORWARD_CASES = [
+    (strategy, dtype)
+    for strategy in ("token", "embedding_bag", "packed", "bucketed")
+    for dtype in (torch.float32, torch.bfloat16)
+    if not (strategy == "packed" and dtype != torch.float32)  # packed: float32 tables, width a multiple of 32
+]
+
+
+@pytest.mark.parametrize("strategy, dtype", FORWARD_CASES, ids=str)
+def test_forward_strategies_equal_one_hot_matmul(variant, strategy, dtype):
+    ops = runnable(variant)
+    for n, num_tables, hash_bits, out_features in FORWARD_SHAPES:
+        rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=n)
+        y = ops.lookup_strategy(rows, scores, tables, bias, 2**hash_bits, strategy)
+        assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
+    rows, scores, tables, bias = hashed_inputs(300, 4, 4, 96, dtype, seed=1)
+    assert_forward_matches_oracle(ops.lookup(rows, scores, tables, bias, 16), rows, scores, tables, bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_equals_one_hot_transposes(variant, dtype):
+    ops = runnable(variant)
+    for n, num_tables, hash_bits, out_features in [(1, 3, 4, 5), (2049, 3, 6, 160), (4100, 2, 3, 200)]:
+        rows, scores, tables, _ = hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=n + 1)
+        grad_y = torch.randn(n, out_features, generator=torch.Generator().manual_seed(n)).to(dtype)
+        grad_scores, grad_tables = ops.lookup_backward(grad_y, rows, scores, tables, 2**hash_bits, True, True)
+        s = one_hot_scores(rows, scores, tables.shape[0])
+        gy = grad_y.double()
+        assert grad_tables.dtype == dtype
+        assert_close_scaled(grad_tables, s.T @ gy, s.abs().T @ gy.abs(), dtype)
+        t = tables.double()
+        assert_close_scaled(grad_scores, (gy @ t.T).gather(1, rows), (gy.abs() @ t.abs().T).gather(1, rows), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("score, temperature", [("paper", 1.0), ("l1", 0.5)])
+def test_hash_and_its_backward_equal_the_float64_formulation(variant, dtype, score, temperature):
+    ops = runnable(variant)
+    g = torch.Generator().manual_seed(3)
+    for n, in_features, hash_bits in [(1, 16, 4), (67, 48, 8), (300, 160, 5), (9, 64, 16)]:
+        x = (torch.randn(n, in_features, generator=g) * 2).to(dtype)
+        rows, scores = ops.hash(x, hash_bits, score == "l1", temperature)
+        x64 = x.double().requires_grad_(True)
+        expected_rows = memory_ops.table_rows(memory_ops.hash_codes(x64.detach(), hash_bits), hash_bits)
+        expected = memory_ops.hash_scores(x64, hash_bits, score, temperature)
+        assert torch.equal(rows, expected_rows)
+        torch.testing.assert_close(scores.double(), expected.detach(), rtol=2e-5, atol=1e-30)
+
+        grad_scores = torch.randn(scores.shape, generator=g).to(scores.dtype)
+        (expected_grad,) = torch.autograd.grad(expected, x64, grad_scores.double())
+        grad_x = ops.hash_backward(grad_scores, x, hash_bits, score == "l1", temperature)
+        assert grad_x.dtype == dtype and grad_x.shape == x.shape
+        rtol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(grad_x.double(), expected_grad, rtol=rtol, atol=rtol * expected_grad.abs().max())
+
+
+def test_few_rows_linear_equals_the_float64_product(variant):
+    ops = runnable(variant)
+    g = torch.Generator().manual_seed(4)
+    for rows in range(1, ops.linear_rows_max() + 1):
+        for out_features, in_features in [(1, 1), (7, 37), (1001, 512), (64, 48)]:  # tails below one vector, odd rows
+            x = torch.randn(rows, in_features, generator=g)
+            w = torch.randn(out_features, in_features, generator=g)
+            b = torch.randn(out_features, generator=g)
+            y = ops.linear_rows(x, w, b)
+            expected = x.double() @ w.double().T + b.double()
+            scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+            assert_close_scaled(y, expected, scale, torch.float32)
+
+
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+
+
+def test_the_source_compiles_for_aarch64():
+    if shutil.which(AARCH64_CXX) is None:
+        pytest.skip(f"{AARCH64_CXX} is not installed (Debian package g++-aarch64-linux-gnu provides it)")
+    memory_ops.compile_kernel_syntax(
+        AARCH64_CXX, ["-march=armv8.2-a", "-fopenmp", "-DMEMORYFORMER_OPS=memoryformer_cpu_armv8_2_a"]
+    )

@@ -1,0 +1,39 @@
+"""Worker of test_distributed.py::test_ddp_matches_single_process: trains the tiny MemoryFormer on synthetic data
+with `memoryformer`'s Trainer setup and writes the per-step losses (rank 0) to argv[2] as JSON.
+
+    python tests/tools/_ddp_worker.py OUT_DIR LOSSES_JSON PER_DEVICE_BATCH              (one process)
+    torchrun --nproc_per_node 2 tests/tools/_ddp_worker.py OUT_DIR LOSSES_JSON BATCH   (DDP over gloo)
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _training_data beside this file, conftest in tests/
+
+from _training_data import synthetic_lm_data  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+
+from modeling_memoryformer.training.trainer import TrainingSettings, train  # noqa: E402
+
+
+def main() -> None:
+    out, losses_path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    model = tiny_model(seed=0, table_init_std=0.02, initializer_range=0.02).train()
+    result = train(model, synthetic_lm_data(), TrainingSettings(
+        output_dir=out, max_steps=6, per_device_batch_size=batch, logging_steps=1, eval_steps=6, report_to="none",
+        learning_rate=3e-3, warmup_ratio=0.0, progress=False, save_final_model=False,
+    ))
+    if int(os.environ.get("RANK", "0")) == 0:
+        losses = [entry["loss"] for entry in result.log_history if "loss" in entry]
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        with open(losses_path, "w") as f:
+            json.dump({"losses": losses, "eval_loss": result.eval_loss, "world_size": world}, f)
+
+
+if __name__ == "__main__":
+    main()

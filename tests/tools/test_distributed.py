@@ -1,0 +1,84 @@
+"""Data-parallel training over two CPU processes (gloo) matches one process at the same global batch.
+
+`torchrun --nproc_per_node 2` starts two ranks of the training API (`tests/tools/_ddp_worker.py`); the Trainer wraps the model in DDP and
+each rank sees half of every global batch. With the same seed and data order the per-step losses (gathered over
+ranks by the Trainer) must equal the single-process losses up to float32 reduction order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _free_port() -> str:
+    """A free TCP port for torchrun's rendezvous (port 0 does not work there: each rank would pick its own)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+# Launchers that start 2 ranks on CPU. accelerate 1.15's `accelerate launch --cpu --num_processes 2` starts ONE
+# process (its CPU path is the simple launcher; multi-CPU needs mpirun); `--multi_gpu` on a machine without GPUs runs
+# torch.distributed.run, and the Trainer then uses gloo on the CPU.
+LAUNCHERS = {
+    "torchrun": lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_port", port],
+    "accelerate": lambda port: [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                                "--dynamo_backend", "no", "--main_process_port", port],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_ddp_matches_single_process(tmp_path, launcher):
+    """2 processes (gloo) at 2 sequences each = one process at 4: the same global batches, so the same losses up to
+    float rounding of the gradient all-reduce."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    worker = os.path.join(here, "_ddp_worker.py")
+    tests, repo = os.path.dirname(here), os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, tests, repo])}
+    subprocess.run([sys.executable, worker, str(tmp_path / "one"), str(tmp_path / "one.json"), "4"],
+                   check=True, env=env, timeout=600)
+    subprocess.run([*LAUNCHERS[launcher](_free_port()), worker, str(tmp_path / "two"), str(tmp_path / "two.json"),
+                    "2"], check=True, env=env, timeout=600)
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert len(one["losses"]) == len(two["losses"]) == 6
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)
+
+
+def test_fsdp2_sharded_tables_give_the_single_process_gradients(tmp_path):
+    """`shard_model` (FSDP2 by `_no_split_modules`) over 2 gloo ranks: every table is split in half across ranks and
+    the gradients, gathered, equal a single float64 model's on the whole batch."""
+    out = tmp_path / "fsdp.json"
+    worker = os.path.join(os.path.dirname(__file__), "_fsdp_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(), worker, str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["max_grad_diff"] < 1e-12
+    assert len(result["sharded_tables"]) == 6
+    for name, local, full in result["sharded_tables"]:
+        assert local == [full[0] // 2, full[1]], name
+
+
+def test_shard_model_without_process_group_says_how_to_launch():
+    from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
+    from modeling_memoryformer.integrations.distributed import shard_model
+
+    model = MemoryFormerForCausalLM(
+        MemoryFormerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, hash_bits=4)
+    )
+    with pytest.raises(RuntimeError, match="torchrun"):
+        shard_model(model)

@@ -35,14 +35,15 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 //
 // Design: the row gather is bounded by cache/TLB misses on tables far larger than L2, not by FLOPs.
 // Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the
-// rows 16 lookups ahead. Beyond that, for tables well inside the last-level cache (LLC), PyTorch's embedding_bag
-// (FBGEMM's JIT kernel), called below autograd. For float32 tables of 3/4 to 3/2 of the LLC with >= 8 lookups per
-// row, the packed pass: per 32-column block, the rows of the next group of tables are copied into a contiguous buffer
-// of a quarter of L2 while the current group serves every token, several tokens at a time in registers (the table is
-// read once per chunk of tokens instead of once per lookup). For tables beyond 3/2 of the LLC with >= 4 lookups per
-// row, the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column
-// blocks of a chunk of tokens held in a compact buffer of half of L2, and the table is streamed once, each hit row
-// loaded once and applied to all its tokens. Packed and bucketed need as many column blocks as threads.
+// rows 16 lookups ahead. Beyond that, for float32 tables with >= 2 lookups per row, the packed pass: per 32-column
+// block and group of tables, the group's rows are first copied into a contiguous buffer of a quarter of L2 (a pure
+// stream from L3 / DRAM), then every token of the chunk adds its lookups of the group from it, several tokens at a
+// time in registers (the table is read once per chunk of tokens instead of once per lookup). For other dtypes and
+// tables beyond 3/2 of the LLC with >= 2 lookups per row, the bucketed pass: lookups are grouped by row (a counting
+// sort per table), the output is built in 64-column blocks of a chunk of tokens held in a compact buffer of half of
+// L2, and the table is streamed once, each hit row loaded once and applied to all its tokens. Otherwise PyTorch's
+// embedding_bag (FBGEMM's JIT kernel), called below autograd. Packed and bucketed need as many column blocks as
+// threads.
 // Backward: always bucketed, in one pass over the table rows per column block: the block of grad_y sits in L2, each
 // row's table gradient is accumulated in registers and written once by one thread (no atomics, no read-modify-write
 // of the large gradient; rows nobody hit are written as zeros), and the score gradients are the inner products of the
@@ -90,6 +91,7 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -117,7 +119,9 @@ constexpr int64_t kBucketedHits = 2;       // lookups per row from which the buc
                                            // random row reads (measured at 2 hits per row on the AMD EPYC: 12.2 vs
                                            // 16.8 ms at 64 x 1024 x 512, 3.2 vs 3.8, 9.2 vs 11.5, 7.8 vs 10.8 ms on
                                            // the other shapes of MF-tiny/small; at 1 hit per row the gather wins)
-constexpr int64_t kPackedHits = 8;         // lookups per row from which the packed forward can pay off
+constexpr int64_t kPackedHits = 2;         // lookups per row from which the packed forward can pay off (measured on
+                                           // the AMD EPYC, one thread, 64 tables x 256 x 512: 3.7 vs 5.0 ms for
+                                           // embedding_bag at 2 per row, 3.2 vs 2.8 at 1 per row)
 constexpr int64_t kBlock = 64;             // columns per block of the bucketed passes
 constexpr int64_t kPackCols = 32;          // columns per block of the packed pass
 
@@ -185,10 +189,9 @@ Caches caches() {
 // where they give a 256 KB packed group, 4096-token packed chunks and 2048-token bucketed chunks).
 struct Tuning {
   int64_t llc;             // last-level cache: L3, or L2 without one
-  int64_t packed_min;      // packed forward from this table size (3/4 of the LLC) ...
-  int64_t bucketed_min;    // ... bucketed forward from this one (3/2 of the LLC: beyond what the cache holds)
-  int64_t pack_group;      // bytes of one packed group (a quarter of L2: two groups and the output block fit)
-  int64_t pack_chunk;      // tokens per packed pass (their output block of kPackCols columns is half of L2)
+  int64_t bucketed_min;    // bucketed forward (tables other than float32) from this size: 3/2 of the LLC
+  int64_t pack_group;      // bytes of one packed group (a quarter of L2: the group and the accumulator fit)
+  int64_t pack_chunk;      // tokens per packed pass (their accumulator of kPackCols columns is half of L2)
   int64_t bucket_bytes;    // bytes of a bucketed chunk's compact column block (half of L2)
 };
 
@@ -196,7 +199,6 @@ Tuning tuning() {
   const Caches c = caches();
   Tuning t;
   t.llc = c.l3 > 0 ? c.l3 : c.l2;
-  t.packed_min = t.llc / 4 * 3;
   t.bucketed_min = t.llc / 2 * 3;
   t.pack_group = std::max<int64_t>(16 << 10, c.l2 / 4);
   t.pack_chunk = std::max<int64_t>(256, c.l2 / 2 / (kPackCols * int64_t(sizeof(float))));
@@ -671,54 +673,56 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 
 // ------------------------------------------------------------------------------------------------ packed forward
 // float32 tables about the size of the LLC, many tokens: the output is built in column blocks of kPackCols columns
-// for chunks of tokens. For each block, the rows of a group of tables restricted to the block are copied ("packed")
-// into a contiguous buffer (a quarter of L2) and the tokens of the chunk add their lookups into that group from the
-// buffer, kTokens tokens at a time with their sums in registers. The copy exists because a column block of the table
-// is strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only. The copy of the next group is
-// interleaved with the gathers of the current one and prefetched kPackAhead rows ahead, so the table stream from
-// L3 / DRAM overlaps the L2-bound gathers: the table is read once per chunk instead of once per lookup. Between
-// groups the partial sums stay in the output block itself (a compact buffer measured slower: it competes with the
-// packed rows for L2).
+// for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables, two phases:
+// 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
+//    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
+//    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
+// 2. the chunk's tokens add their lookups of the group from the buffer, kTokens tokens at a time with their sums in
+//    registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output after the
+//    last group.
+// The phases are not interleaved: interleaved, the stream's misses held the miss buffers that the gathers' L2 hits
+// need, and the kernel ran at the sum of both phases' times or worse. The table is read once per chunk instead of
+// once per lookup. The lookups are regrouped first, per group of tables (an int32 offset into the buffer and the
+// score, contiguous per group), so that each pass over a group reads them in order from a compact array.
 constexpr int64_t kPackVecs = kPackCols / kLanes;   // vectors per packed row: 2 (AVX-512), 4 (AVX2), 8 (NEON)
 static_assert(kPackCols % kLanes == 0, "a packed row is whole vectors");
 // Tokens summed at once: half the vector registers hold accumulators (kTokens * kPackVecs), at most 4 tokens.
 constexpr int kTokens = int(std::max<int64_t>(1, std::min<int64_t>(4, kVecRegs / 2 / kPackVecs)));
-constexpr int64_t kPackAhead = 16;   // rows prefetched ahead of the copy
+constexpr int64_t kPackAhead = 32;   // rows prefetched (into L2) ahead of the copy
 
-// out[n, 0:kPackCols] (+)= sum over tables k of group [g0, g0 + gn) of scores[n, k] * pack[rows[n, k] - off], for
-// the TT tokens n .. n + TT - 1 of the chunk; `first` starts from the bias block instead of the partial sums in `out`.
+// acc[n + i, :] (+)= sum over the gn tables of the group of sc * pack[loc], for the TT tokens n .. n + TT - 1 of the
+// chunk, whose entries of the group are loc/sc[(n + i) * gn + k]; `first` starts from the bias block instead.
 template <int TT>
-inline void packed_tokens(const int64_t* rows, const float* scores, const float* pack, const float* bias_block,
-                          float* out, int64_t n, int64_t K, int64_t D, int64_t g0, int64_t gn, int64_t off,
-                          bool first) {
+inline void packed_tokens(const int32_t* loc, const float* sc, const float* pack, const float* bias_block, float* acc,
+                          int64_t n, int64_t gn, bool first) {
   fVec a[TT][kPackVecs];
 #pragma GCC unroll 4
   for (int i = 0; i < TT; ++i) {
-    const float* start = first ? bias_block : out + (n + i) * D;
+    const float* start = first ? bias_block : acc + (n + i) * kPackCols;
 #pragma GCC unroll 8
     for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = fVec::loadu(start + v * kLanes);
   }
+  const int32_t* l = loc + n * gn;
+  const float* s = sc + n * gn;
   for (int64_t k = 0; k < gn; ++k) {
 #pragma GCC unroll 4
     for (int i = 0; i < TT; ++i) {
-      const int64_t e = (n + i) * K + g0 + k;
-      const float* t = pack + (rows[e] - off) * kPackCols;
-      const fVec s(scores[e]);
+      const float* t = pack + l[i * gn + k];
+      const fVec w(s[i * gn + k]);
 #pragma GCC unroll 8
-      for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = at::vec::fmadd(s, fVec::loadu(t + v * kLanes), a[i][v]);
+      for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = at::vec::fmadd(w, fVec::loadu(t + v * kLanes), a[i][v]);
     }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < TT; ++i) {
 #pragma GCC unroll 8
-    for (int64_t v = 0; v < kPackVecs; ++v) a[i][v].store(out + (n + i) * D + v * kLanes);
+    for (int64_t v = 0; v < kPackVecs; ++v) a[i][v].store(acc + (n + i) * kPackCols + v * kLanes);
   }
 }
 
 // Whether the packed forward can run: float32 tables whose width is whole column blocks.
 bool packed_applies(at::ScalarType dtype, int64_t D) { return dtype == at::kFloat && D % kPackCols == 0; }
 
-// Threads take whole (chunk, column block) units.
 void lookup_packed(const int64_t* rows, const float* scores, const float* tables, const float* bias, float* out,
                    int64_t N, int64_t K, int64_t P, int64_t D) {
   if (N == 0) return;
@@ -727,53 +731,56 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
   // Chunks of equal size, at most pack_chunk tokens: a small last chunk would copy the whole table for few tokens.
   const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
   const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols;
-  const int64_t span = G * P * kPackCols;   // floats of one packed group
-  struct Job { int64_t n0, nn, c0, g0, gn; };
-  auto job = [=](int64_t j) {   // job j = (chunk, column block, group of tables), groups innermost
-    const int64_t u = j / ngrp, chunk = u / nblk, g0 = (j % ngrp) * G;
-    return Job{chunk * chunk_size, std::min(chunk_size, N - chunk * chunk_size), (u % nblk) * kPackCols, g0,
-               std::min(G, K - g0)};
-  };
-  // Rows r0 .. r1 - 1 of job b's group, columns c0 .. c0 + kPackCols - 1, into pack (two explicit prefetches per
-  // row: a loop here cost more than the prefetches saved).
-  auto copy = [=](const Job& b, float* pack, int64_t r0, int64_t r1) {
-    const int64_t nrows = b.gn * P;
-    for (int64_t r = r0; r < std::min(r1, nrows); ++r) {
-      const float* src = tables + (b.g0 * P + r) * D + b.c0;
-      if (r + kPackAhead < nrows) {
-        __builtin_prefetch(src + kPackAhead * D);
-        __builtin_prefetch(src + kPackAhead * D + 16);
-      }
+  TORCH_CHECK(G * P * kPackCols <= std::numeric_limits<int32_t>::max(),
+              "memoryformer_cpu.lookup: a packed group of ", G, " x ", P, " rows is too large for int32 offsets");
+  // Group-major lookups: group [g0, g0 + gn) holds, for token n and table g0 + k, at (g0 * N + n * gn + k), the float
+  // offset of the row in the group's buffer and the score.
+  std::vector<int32_t> loc(N * K);
+  std::vector<float> sc(N * K);
+  parallel_tokens(N, N * K * 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+      const int64_t gn = std::min(G, K - g0);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t k = 0; k < gn; ++k) {
+          loc[g0 * N + n * gn + k] = int32_t((rows[n * K + g0 + k] - g0 * P) * kPackCols);
+          sc[g0 * N + n * gn + k] = scores[n * K + g0 + k];
+        }
+    }
+  });
+  // Rows [0, nrows) of the group from g0, columns c0 .. c0 + kPackCols - 1, into pack.
+  auto copy = [=](float* pack, int64_t g0, int64_t nrows, int64_t c0) {
+    const float* base = tables + g0 * P * D + c0;
+    for (int64_t r = 0; r < nrows; ++r) {
+      const float* src = base + r * D;
+      if (r + kPackAhead < nrows)
+        for (int64_t c = 0; c < kPackCols; c += 64 / int64_t(sizeof(float)))
+          __builtin_prefetch(src + kPackAhead * D + c, 0, 2);
       std::memcpy(pack + r * kPackCols, src, sizeof(float) * kPackCols);
     }
   };
   parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
+    const int64_t pack_floats = G * P * kPackCols, acc_floats = chunk_size * kPackCols;
     std::unique_ptr<float, decltype(&std::free)> buffers(
-        static_cast<float*>(std::aligned_alloc(64, 2 * span * sizeof(float))), &std::free);
+        static_cast<float*>(std::aligned_alloc(64, (pack_floats + acc_floats) * sizeof(float))), &std::free);
     TORCH_CHECK(buffers, "memoryformer_cpu.lookup: out of memory for the packed rows");
-    float* packs[2] = {buffers.get(), buffers.get() + span};
-    const int64_t j0 = u0 * ngrp, j1 = u1 * ngrp;
-    if (j0 < j1) copy(job(j0), packs[j0 & 1], 0, G * P);
+    float* pack = buffers.get();
+    float* acc = pack + pack_floats;
     alignas(64) float bias_block[kPackCols];
-    for (int64_t j = j0; j < j1; ++j) {
-      const Job b = job(j);
-      const bool first = b.g0 == 0;
-      if (first)
-        for (int64_t c = 0; c < kPackCols; ++c) bias_block[c] = bias ? bias[b.c0 + c] : 0.0f;
-      // The next job's rows are copied a slice per step of kTokens tokens, the rest after the last step.
-      const Job next = job(std::min(j + 1, j1 - 1));
-      const int64_t next_rows = j + 1 < j1 ? next.gn * P : 0;
-      const int64_t steps = std::max<int64_t>(1, b.nn / kTokens), per = (next_rows + steps - 1) / steps;
-      const int64_t* r = rows + b.n0 * K;
-      const float* s = scores + b.n0 * K;
-      float* o = out + b.n0 * D + b.c0;
-      int64_t done = 0, n = 0;
-      for (; n + kTokens <= b.nn; n += kTokens) {
-        if (done < next_rows) { copy(next, packs[(j + 1) & 1], done, done + per); done += per; }
-        packed_tokens<kTokens>(r, s, packs[j & 1], bias_block, o, n, K, D, b.g0, b.gn, b.g0 * P, first);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n0 = (u / nblk) * chunk_size, nn = std::min(chunk_size, N - n0), c0 = (u % nblk) * kPackCols;
+      for (int64_t c = 0; c < kPackCols; ++c) bias_block[c] = bias ? bias[c0 + c] : 0.0f;
+      for (int64_t g0 = 0; g0 < K; g0 += G) {
+        const int64_t gn = std::min(G, K - g0);
+        copy(pack, g0, gn * P, c0);
+        const int32_t* l = loc.data() + g0 * N + n0 * gn;
+        const float* s = sc.data() + g0 * N + n0 * gn;
+        const bool first = g0 == 0;
+        int64_t n = 0;
+        for (; n + kTokens <= nn; n += kTokens) packed_tokens<kTokens>(l, s, pack, bias_block, acc, n, gn, first);
+        for (; n < nn; ++n) packed_tokens<1>(l, s, pack, bias_block, acc, n, gn, first);
       }
-      for (; n < b.nn; ++n) packed_tokens<1>(r, s, packs[j & 1], bias_block, o, n, K, D, b.g0, b.gn, b.g0 * P, first);
-      if (done < next_rows) copy(next, packs[(j + 1) & 1], done, next_rows);
+      for (int64_t i = 0; i < nn; ++i)
+        std::memcpy(out + (n0 + i) * D + c0, acc + i * kPackCols, sizeof(float) * kPackCols);
     }
   });
 }
@@ -1012,20 +1019,20 @@ at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const a
 }
 
 // The forward strategy "auto" runs (see the design notes at the top):
-//   up to kSmallBatch tokens (or float64): token-major; tables beyond the LLC (Tuning::bucketed_min) with
-//   >= kBucketedHits lookups per row and a column block per thread: bucketed; float32 tables about the size of the
-//   LLC (Tuning::packed_min) with >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed;
-//   otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching EmbeddingSpMDM kernel, the fastest gather
-//   we measured for tables well inside the LLC; it splits tokens, so it uses every thread on any shape).
+//   up to kSmallBatch tokens (or float64): token-major; float32 tables (width a multiple of kPackCols) with
+//   >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed, whatever the tables' size;
+//   other dtypes, tables beyond the LLC (Tuning::bucketed_min) with >= kBucketedHits lookups per row and a column
+//   block per thread: bucketed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
+//   EmbeddingSpMDM kernel, the fastest gather we measured for few lookups per row; it splits tokens, so it uses every
+//   thread on any shape).
 std::string choose_strategy(int64_t N, int64_t K, int64_t P, int64_t D, at::ScalarType dtype) {
   if (N <= kSmallBatch || dtype == at::kDouble) return "token";
   const Tuning t = tuning();
   const int64_t bytes = K * P * D * int64_t(c10::elementSize(dtype));
   const int64_t threads = std::max(1, at::get_num_threads());
-  if (bytes >= t.bucketed_min && N >= kBucketedHits * P && num_blocks(D) >= threads) return "bucketed";
   const int64_t packed_units = (N + t.pack_chunk - 1) / t.pack_chunk * (D / kPackCols);
-  if (packed_applies(dtype, D) && bytes >= t.packed_min && N >= kPackedHits * P && packed_units >= threads)
-    return "packed";
+  if (packed_applies(dtype, D) && N >= kPackedHits * P && packed_units >= threads) return "packed";
+  if (bytes >= t.bucketed_min && N >= kBucketedHits * P && num_blocks(D) >= threads) return "bucketed";
   return "embedding_bag";
 }
 

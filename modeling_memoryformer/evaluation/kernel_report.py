@@ -375,9 +375,9 @@ def format_report(report: dict) -> str:
         lines += ["", "No plans: Memory Layers run the PyTorch path (hash, then embedding_bag) without the kernel."]
     lines += [
         "",
-        "token: per-token gather in registers (few tokens); embedding_bag: FBGEMM's gather (tables inside the cache);",
-        "packed: table rows copied into an L2-resident buffer per group of tables (tables about the size of L3);",
-        "bucketed: lookups grouped by row, the table streamed once (tables beyond L3; the backward).",
+        "token: per-token gather in registers (few tokens); embedding_bag: FBGEMM's gather (under 2 lookups per row);",
+        "packed: table rows copied into an L2-resident buffer per group of tables, then gathered (float32 tables);",
+        "bucketed: lookups grouped by row, the table streamed once (other dtypes beyond L3; the backward).",
     ]
     return "\n".join(lines)
 

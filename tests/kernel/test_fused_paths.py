@@ -1,8 +1,8 @@
 """The fused CPU kernel's internal strategies, each against an independent float64 oracle.
 
 The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, the packed pass for float32
-tables about the size of L3, and the bucketed pass that streams the tables once, for tables beyond the cache with
-many tokens); the backward always takes the bucketed pass, in chunks of 2048 tokens and column blocks of 64. Tiny
+tables from two lookups per row, and the bucketed pass that streams the tables once, for other dtypes beyond the cache
+with many tokens); the backward always takes the bucketed pass, in chunks of 2048 tokens and column blocks of 64. Tiny
 layers never reach most of these branches, so this file forces each one (`lookup_strategy`) on shapes around its
 edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one, two and three chunks), widths below, at and between
 multiples of 64 (ragged last block), several groups of packed tables, and every table dtype.
@@ -95,9 +95,9 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
     [
         (0, 3, 4, 32),  # no tokens
         (1, 3, 4, 32),  # fewer tokens than one step of four
-        (5, 20, 8, 64),  # 20 tables of 256 rows: packed groups of 8, 8 and 4, the next group copied while summing
-        (3, 20, 8, 64),  # the same with no full step of four: the next group is copied after the tokens
-        (4099, 20, 8, 96),  # one chunk of 4099 tokens: the last step of four has three
+        (5, 20, 8, 64),  # 20 tables of 256 rows: packed groups of 8, 8 and 4 (1 MB L2), one token after a step of four
+        (3, 20, 8, 64),  # the same with no full step of four tokens
+        (4099, 20, 8, 96),  # two chunks of 2050 and 2049 tokens (4096-token chunks with a 1 MB L2)
         (8195, 4, 8, 32),  # three chunks of 2732, 2732 and 2731 tokens
         (2048, 3, 10, 32),  # 1024 rows per table: groups of two
         (300, 3, 12, 64),  # 4096 rows per table: larger than one group's budget, one table per group
@@ -143,35 +143,41 @@ def machine():
     torch.set_num_threads(threads)
 
 
-def test_packed_forward_is_picked_for_l3_sized_float32_tables_and_many_tokens(machine):
-    """d = 512, tau = 8: 33.5 MB of tables, 2048 tokens. With a 32 MB L3 (tables of 3/4 to 3/2 of it) and 2 threads
-    `lookup` takes the packed pass, and equals it; with a 16 MB L3 the tables are beyond the cache (bucketed); with
-    a 64 MB one, well inside it (embedding_bag); with 32 threads the packed pass has fewer units than threads."""
+def test_packed_forward_is_picked_for_float32_tables_from_two_lookups_per_row(machine):
+    """d = 512, tau = 8: 33.5 MB of tables. With 2 threads, float32 tables and >= 2 lookups per row (N >= 512)
+    `lookup` takes the packed pass, and equals it, whatever the L3 (the table is streamed once per chunk either way);
+    below that, embedding_bag; with 32 threads the packed pass has fewer units (16 column blocks) than threads."""
     rows, scores, tables, bias = hashed_inputs(2048, 64, 8, 512, torch.float32, seed=3)
-    machine(32 << 10, 1 << 20, 32 << 20, 2)
-    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "packed"
+    for l3 in (16 << 20, 32 << 20, 64 << 20):
+        machine(32 << 10, 1 << 20, l3, 2)
+        assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "packed"
+        assert ops().plan(512, 64, 256, 512, torch.float32, False) == "packed"
+        assert ops().plan(511, 64, 256, 512, torch.float32, False) == "embedding_bag"
     picked = ops().lookup(rows, scores, tables, bias, 256)
     assert torch.equal(picked, ops().lookup_strategy(rows, scores, tables, bias, 256, "packed"))
     assert not torch.equal(picked, ops().lookup_strategy(rows, scores, tables, bias, 256, "embedding_bag"))
-    machine(32 << 10, 1 << 20, 16 << 20, 2)
-    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "bucketed"
-    assert torch.equal(ops().lookup(rows, scores, tables, bias, 256),
-                       ops().lookup_strategy(rows, scores, tables, bias, 256, "bucketed"))
-    machine(32 << 10, 1 << 20, 64 << 20, 2)
-    assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "embedding_bag"
     machine(32 << 10, 1 << 20, 32 << 20, 32)
     assert ops().plan(2048, 64, 256, 512, torch.float32, False) == "embedding_bag"
     assert ops().plan(16, 64, 256, 512, torch.float32, False) == "token"
     assert ops().plan(2048, 64, 256, 512, torch.float32, True) == "bucketed"
 
 
-def test_tables_beyond_the_cache_are_streamed_from_two_lookups_per_row(machine):
-    """A 128 MB table set (64 tables of 1024 rows x 512) beyond a 32 MB L3: from 2 lookups per row (N >= 2 x 1024)
-    one sequential pass over the tables (bucketed) replaces the random row reads (embedding_bag)."""
+def test_tables_beyond_the_cache_that_packing_cannot_take_are_streamed_from_two_lookups_per_row(machine):
+    """bfloat16 tables, or float32 ones whose width is not whole 32-column blocks, beyond 3/2 of the L3: from 2 lookups
+    per row one sequential pass over the tables (bucketed) replaces the random row reads (embedding_bag); inside the
+    cache the row reads stay."""
     machine(32 << 10, 1 << 20, 32 << 20, 2)
-    assert ops().plan(2047, 64, 1024, 512, torch.float32, False) == "embedding_bag"
-    assert ops().plan(2048, 64, 1024, 512, torch.float32, False) == "bucketed"
-    assert ops().plan(4096, 64, 1024, 512, torch.float32, False) == "bucketed"
+    # 64 tables of 1024 rows x 512 bf16 = 64 MB; x 520 float32 = 136 MB
+    for width, dtype in ((512, torch.bfloat16), (520, torch.float32)):
+        assert ops().plan(2047, 64, 1024, width, dtype, False) == "embedding_bag"
+        assert ops().plan(2048, 64, 1024, width, dtype, False) == "bucketed"
+        assert ops().plan(4096, 64, 1024, width, dtype, False) == "bucketed"
+    assert ops().plan(4096, 64, 256, 512, torch.bfloat16, False) == "embedding_bag"  # 16.8 MB: inside the L3
+    rows, scores, tables, bias = hashed_inputs(600, 4, 8, 96, torch.bfloat16, seed=6)
+    machine(32 << 10, 1 << 20, 64 << 10, 2)  # 4 x 256 x 96 bf16 = 197 KB, beyond 3/2 of a 64 KB "L3"
+    assert ops().plan(600, 4, 256, 96, torch.bfloat16, False) == "bucketed"
+    assert torch.equal(ops().lookup(rows, scores, tables, bias, 256),
+                       ops().lookup_strategy(rows, scores, tables, bias, 256, "bucketed"))
 
 
 def test_packed_sizes_follow_l2_and_compute_the_same_function(machine):

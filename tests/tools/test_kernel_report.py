@@ -148,8 +148,11 @@ BOUNDARY_SHAPES = [
 
 
 def _plans(ops, tokens=(64, 65, 512, 2048, 4096, 16384)):
-    return {(s.name, n, backward): kernel_report.plan_strategy(n, s, torch.float32, backward)
-            for s in BOUNDARY_SHAPES for n in tokens for backward in (False, True)}
+    """Plans for float32 tables (packed or not by lookups per row, units per thread: the L2 sets the chunks) and
+    bfloat16 ones (bucketed or not by table size against the L3)."""
+    return {(s.name, n, backward, str(dtype)): kernel_report.plan_strategy(n, s, dtype, backward)
+            for s in BOUNDARY_SHAPES for n in tokens for backward in (False, True)
+            for dtype in (torch.float32, torch.bfloat16)}
 
 
 def test_plans_follow_the_cache_sizes_and_detection_comes_back():

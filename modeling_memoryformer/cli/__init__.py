@@ -19,6 +19,8 @@ import pickle
 import sys
 import time
 
+from ..training import TABLE_OPTIMIZERS  # a tuple: the training package's __init__ imports nothing
+
 # Nothing heavy is imported here: torch, transformers and the model load inside the command that runs, so that
 # `memoryformer --help` and `memoryformer COMMAND --help` answer at once (tests/tools/test_cli_help.py checks it).
 
@@ -229,6 +231,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr-multiplier", type=float, default=None,
                         help="times the Pythia rate of this width (default: 3, the paper's rule)")
     parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on biases, norms)")
+    parser.add_argument("--table-optimizer", choices=TABLE_OPTIMIZERS, default="adamw",
+                        help="optimizer of the Memory Layer tables: adamw (like every parameter), rowwise_adagrad (4 "
+                             "bytes of state per row) or adam_rowwise (a first moment and a row-wise second one), the "
+                             "last two applied in the backward pass; one process, no --grad-accum")
     parser.add_argument("--warmup-ratio", type=float, default=0.01, help="fraction of the steps warming up")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     parser.add_argument("--eval-points", type=int, default=None,

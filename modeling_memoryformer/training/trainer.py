@@ -4,6 +4,8 @@ The recipe (paper section 4.1 and the authors' GPT-NeoX configs, SPEC section 4)
 
 - AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the tables, embeddings and LM head, none on biases
   and norm parameters (`no_decay_parameter_names`);
+  or, with `table_optimizer`, a row-wise rule on the tables applied in the backward pass and AdamW on the rest
+  (`training.table_optimizer`: its semantics for clipping, accumulation and several processes);
 - gradient clipping at 1.0; linear warmup over the first 1% of steps, then a cosine decay to 1% of the peak rate;
 - the learning rate of the Pythia model of the same width (Pythia-70M 1e-3, 160M 6e-4, 410M 3e-4) for a dense
   model, and **3x that rate for a MemoryFormer** (`MEMORYFORMER_LR_MULTIPLIER`): a table row only receives a gradient
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
+
+from .table_optimizer import TableAdamW, check_table_optimizer_setup, table_param_groups
 
 # (hidden size, learning rate) of the Pythia suite, smallest first: the dense rate of a model is that of the widest
 # Pythia model not wider than it (models narrower than Pythia-70M take its rate).
@@ -86,6 +90,22 @@ class MemoryFormerTrainer(Trainer):
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
         excluded = no_decay_parameter_names(model)
         return [name for name, _ in model.named_parameters() if name not in excluded]
+
+    table_optimizer = "adamw"  # set by build_trainer; a row-wise rule trains the tables in the backward pass
+
+    def create_optimizer(self, model=None):
+        """AdamW (the Trainer's own) or, with a table rule, `TableAdamW`: the same AdamW on the dense parameters and
+        the rule on the Memory Layer tables, applied in the backward pass (see training.table_optimizer)."""
+        if self.table_optimizer == "adamw" or self.optimizer is not None:
+            return super().create_optimizer(model)
+        model = self.model if model is None else model
+        args = self.args
+        check_table_optimizer_setup(self.table_optimizer, args.gradient_accumulation_steps, args.world_size)
+        groups = table_param_groups(model, self.table_optimizer, args.weight_decay, no_decay_parameter_names(model))
+        self.optimizer = TableAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                    eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                                    fused=args.optim == "adamw_torch_fused")
+        return self.optimizer
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         # Added in place, so the metrics `evaluate()` returns, the log history and every callback all carry it.
@@ -197,6 +217,7 @@ class TrainingSettings:
     seed: int = 0
     resume_from_checkpoint: str | bool | None = None  # True: the newest complete checkpoint in output_dir
     resume_partial: bool = False  # resume from a checkpoint without optimizer/scheduler state (fresh ones)
+    table_optimizer: str = "adamw"  # adamw, rowwise_adagrad or adam_rowwise (see training.table_optimizer)
     save_final_model: bool = True
     progress: bool = True
     extra_arguments: dict = field(default_factory=dict)  # any other TrainingArguments field
@@ -220,6 +241,8 @@ class TrainingSettings:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}.")
+        check_table_optimizer_setup(self.table_optimizer, self.gradient_accumulation_steps,
+                                    int(os.environ.get("WORLD_SIZE", "1")))
         check_output_dir(self.output_dir, "output_dir")
 
 
@@ -337,7 +360,7 @@ def build_trainer(model: nn.Module, data, settings: TrainingSettings, callbacks=
     extra = []
     if "csv" in settings.report_to.split(","):
         extra.append(CSVLogger(os.path.join(settings.output_dir, "log.csv"), tokens_per_step(args, data.block_size)))
-    return MemoryFormerTrainer(
+    trainer = MemoryFormerTrainer(
         model=model,
         args=args,
         train_dataset=data.train,
@@ -345,6 +368,8 @@ def build_trainer(model: nn.Module, data, settings: TrainingSettings, callbacks=
         processing_class=data.tokenizer,
         callbacks=[*extra, *callbacks],
     )
+    trainer.table_optimizer = settings.table_optimizer
+    return trainer
 
 
 def resolve_resume(settings: TrainingSettings, say=None) -> str | None:
@@ -488,6 +513,7 @@ def run_train(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, bf16=args.bf16, eval_steps=args.eval_steps,
         eval_points=args.eval_points, logging_steps=args.logging_steps, save_steps=args.save_steps,
         report_to=args.report_to, seed=args.seed, resume_from_checkpoint=resume, resume_partial=args.resume_partial,
+        table_optimizer=args.table_optimizer,
     )
     main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate, rank 0 reports
     say = print if main_process else (lambda *a, **k: None)

@@ -1,0 +1,256 @@
+"""Table optimizers applied in the backward pass: train a MemoryFormer's tables with a few bytes of state per row.
+
+A MemoryFormer's tables are most of its parameters (MF-tiny: 415M of 467M). Trained with AdamW, every table parameter
+costs 16 bytes: the weight, its gradient and two moments. Recommendation systems met the same problem with embedding
+tables and solved it with row-wise optimizer state, applied as soon as a table's gradient is complete (FBGEMM's
+table-batched embeddings). The rules here, for a table row r with gradient g_r (D values) at step t, after AdamW's
+decoupled weight decay w <- w - lr * wd * w (as `torch.optim.AdamW`, on every row, hit or not):
+
+- ``rowwise_adagrad`` (FBGEMM's exact row-wise AdaGrad; one float of state per row):
+      s_r <- s_r + mean_j g_rj^2;      w_r <- w_r - lr * g_r / (sqrt(s_r) + eps)
+- ``adam_rowwise`` (Adam with a full first moment and a row-wise second moment: "partial row-wise Adam"):
+      m <- b1 m + (1 - b1) g;   v_r <- b2 v_r + (1 - b2) mean_j g_rj^2;
+      w <- w - lr * (m / (1 - b1^t)) / (sqrt(v_r / (1 - b2^t)) + eps)
+
+State per table parameter: rowwise_adagrad 4 bytes per row (0.2% of a 512-wide table); adam_rowwise 4 bytes per value
+plus 4 per row, half of AdamW's two moments.
+
+How it runs (`TableAdamW`): one optimizer object holds every parameter. The dense ones (embeddings, head, norms,
+biases) take AdamW in `step()` as usual. Each table gets a post-accumulate-grad hook: when autograd has finished the
+table's gradient, the hook applies the table rule at the group's current learning rate and frees the gradient, so
+at most one layer's table gradient exists at a time instead of all of them, and no moment the size of the tables is
+kept for rowwise_adagrad. The learning-rate schedule reaches the tables through their parameter group, like any
+group; the table states sit in `optimizer.state`, so `state_dict()` (the Trainer's optimizer.pt) holds them and a
+resumed run continues exactly.
+
+Semantics that differ from AdamW on every parameter, by construction:
+- Gradient clipping: the global norm is only known after the whole backward, when the tables are already updated.
+  Clipping (`max_grad_norm`) therefore covers the dense parameters, by their own global norm; the table updates are
+  not clipped. Both rules divide the gradient by a running root mean square of the row, so a large gradient cannot
+  make a large step (at most lr / sqrt(1 - b2) per value for adam_rowwise, lr for the first AdaGrad step).
+- Gradient accumulation over micro-batches would apply an update per micro-batch: refused
+  (`check_table_optimizer_setup`); use a larger batch instead.
+- Several processes (DDP) would update the tables with each rank's own gradient before the all-reduce: refused for
+  now, with a message that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import TABLE_OPTIMIZERS
+
+TABLE_RULES = TABLE_OPTIMIZERS[1:]
+
+
+def table_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable `tables` of every Memory Layer of `model` (found by class name, so remote-code and PEFT-wrapped
+    models are covered too)."""
+    found = []
+    for module in model.modules():
+        if type(module).__name__ == "MemoryLayer":
+            tables = getattr(module, "tables", None)
+            if isinstance(tables, nn.Parameter) and tables.requires_grad:
+                found.append(tables)
+    return found
+
+
+def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, lr: float, eps: float,
+                           weight_decay: float) -> None:
+    """One row-wise AdaGrad step in place (see the module docstring): weight and grad [R, D], state_sum [R] float32.
+    The arithmetic is in float32 (float64 for float64 weights); the weight is written back in its own dtype."""
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    w = weight.to(acc)
+    g = grad.to(acc)
+    if weight_decay:
+        w.mul_(1.0 - lr * weight_decay)
+    state_sum.add_(g.square().mean(dim=1).to(state_sum.dtype))
+    w.addcdiv_(g, (state_sum.to(acc).sqrt() + eps).unsqueeze(1), value=-lr)
+    _store(weight, w)
+
+
+def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                        step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """One step of Adam with a row-wise second moment, in place: exp_avg [R, D] and exp_avg_sq [R] in float32, `step`
+    the number of this step (1 for the first)."""
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    beta1, beta2 = betas
+    w = weight.to(acc)
+    g = grad.to(acc)
+    if weight_decay:
+        w.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g.to(exp_avg.dtype), 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).add_(g.square().mean(dim=1).to(exp_avg_sq.dtype), alpha=1.0 - beta2)
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    denom = (exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps).unsqueeze(1)
+    w.addcdiv_(exp_avg.to(acc), denom, value=-lr / bias1)
+    _store(weight, w)
+
+
+def _store(weight: torch.Tensor, value: torch.Tensor) -> None:
+    if value.data_ptr() != weight.data_ptr():
+        weight.copy_(value)
+
+
+class TableAdamW(torch.optim.AdamW):
+    """AdamW for the dense parameters and a row-wise rule for the Memory Layer tables, applied in the backward pass.
+
+    Args:
+        params: parameter groups as for AdamW; the groups whose ``"table_rule"`` is set ("rowwise_adagrad" or
+            "adam_rowwise") hold tables. `table_param_groups` builds them from a model.
+        lr, betas, eps, weight_decay: as for AdamW; they apply to the table rules too (betas[0] is unused by
+            rowwise_adagrad).
+        **adamw_kwargs: passed to AdamW (e.g. ``fused=True``).
+
+    Each table parameter gets a post-accumulate-grad hook that updates it and sets its ``.grad`` to None; `step()`
+    then runs AdamW on the parameters that still have a gradient (the dense ones). Call `remove_hooks()` before
+    training the same model with another optimizer.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 **adamw_kwargs):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
+        self._hooks = []
+        seen = set()
+        for group in self.param_groups:
+            rule = group.setdefault("table_rule", None)
+            if rule is None:
+                continue
+            if rule not in TABLE_RULES:
+                raise ValueError(f"table_rule must be one of {TABLE_RULES}, got {rule!r}.")
+            for p in group["params"]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(group)))
+
+    def _make_hook(self, group: dict):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            with torch.no_grad():
+                self.update_table(param, param.grad, group)
+            param.grad = None
+
+        return hook
+
+    @torch.no_grad()
+    def update_table(self, param: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        """Apply `group`'s table rule to `param` with `grad` (2-D [rows, width]) and advance its state."""
+        if grad.is_sparse:
+            raise ValueError("The table optimizers take dense table gradients.")
+        if param.dim() != 2:
+            raise ValueError(f"A table parameter must be 2-D [rows, width], got shape {tuple(param.shape)}.")
+        state = self.state[param]
+        rows = param.shape[0]
+        lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        if group["table_rule"] == "rowwise_adagrad":
+            if "sum" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["sum"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
+            state["step"] += 1
+            rowwise_adagrad_update(param, grad, state["sum"], lr, eps, weight_decay)
+        else:
+            if "exp_avg" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+                state["exp_avg_sq"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
+            state["step"] += 1
+            adam_rowwise_update(param, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), lr,
+                                tuple(group["betas"]), eps, weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """AdamW on the parameters that still hold a gradient. A table whose gradient is still there (its hook did not
+        run, e.g. the gradient was set by hand) is updated by its rule here."""
+        for group in self.param_groups:
+            if group["table_rule"] is not None:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.update_table(p, p.grad, group)
+                        p.grad = None
+        return super().step(closure)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Optimizer.load_state_dict casts every state tensor to its parameter's dtype (bf16 for bf16 tables); the table
+        # states are float32, so they are taken again from the saved values, uncast.
+        super().load_state_dict(state_dict)
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            if group["table_rule"] is None:
+                continue
+            for index, p in zip(saved_group["params"], group["params"]):
+                for key, value in state_dict["state"].get(index, {}).items():
+                    if torch.is_tensor(value):
+                        self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def table_param_groups(model: nn.Module, rule: str, weight_decay: float,
+                       no_decay_names: Iterable[str] = ()) -> list[dict]:
+    """Parameter groups for `TableAdamW`: the tables (weight decay, `rule`), the other decayed parameters and the
+    parameters in `no_decay_names` (no decay). Frozen parameters are left out."""
+    if rule not in TABLE_RULES:
+        raise ValueError(f"rule must be one of {TABLE_RULES}, got {rule!r}.")
+    no_decay = set(no_decay_names)
+    table_ids = {id(p) for p in table_parameters(model)}
+    tables, decay, plain = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in table_ids:
+            tables.append(p)
+        elif name in no_decay:
+            plain.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": tables, "weight_decay": weight_decay, "table_rule": rule},
+              {"params": decay, "weight_decay": weight_decay},
+              {"params": plain, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int, world_size: int) -> None:
+    """A ValueError naming the problem and the fix when a table rule cannot run as asked."""
+    if rule not in TABLE_OPTIMIZERS:
+        raise ValueError(f"table optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, got {rule!r}.")
+    if rule == "adamw":
+        return
+    if gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"--table-optimizer {rule} updates each table in the backward pass, so it cannot accumulate gradients over "
+            f"{gradient_accumulation_steps} micro-batches. Use --gradient-accumulation-steps 1 with a larger "
+            "--batch-size, or --table-optimizer adamw."
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"--table-optimizer {rule} is not supported with several processes yet ({world_size} here): each rank "
+            "would update the tables with its own gradient before the all-reduce. Train on one process, or use "
+            "--table-optimizer adamw."
+        )
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v))
+
+
+def describe(rule: str) -> str:
+    return {
+        "adamw": "AdamW on every parameter (tables included): 8 bytes of moments per table value",
+        "rowwise_adagrad": "row-wise AdaGrad on the tables, in the backward pass: 4 bytes of state per table row",
+        "adam_rowwise": "Adam with a row-wise second moment on the tables, in the backward pass: 4 bytes per value",
+    }[rule]
+
+
+__all__ = ["TABLE_OPTIMIZERS", "TableAdamW", "adam_rowwise_update", "check_table_optimizer_setup", "describe",
+           "optimizer_state_bytes", "rowwise_adagrad_update", "table_param_groups", "table_parameters"]
+

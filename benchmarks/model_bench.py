@@ -80,6 +80,7 @@ class ModelSpec:
     seed: int = 0
     quiet_wait_s: float = 120.0  # before each workload, wait up to this long for other processes to go quiet
     memory_headroom: float = 0.85  # attempt a workload only if its estimate fits in this fraction of free memory
+    table_optimizer: str = "adamw"  # MemoryFormer tables in training: adamw, rowwise_adagrad or adam_rowwise
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -93,10 +94,11 @@ def mf_label(preset: str) -> str:
 FEW_ROW = "few-row"  # the twin with every nn.Linear on the fused few-row pass (decode only): the fastest dense decode
 
 
-def contestant_name(preset: str, kind: str, kernel: str | None) -> str:
+def contestant_name(preset: str, kind: str, kernel: str | None, table_optimizer: str = "adamw") -> str:
     if kind == "twin":
         return TWINS[preset][0] + (" [few-row linears]" if kernel == FEW_ROW else "")
-    return f"{mf_label(preset)} [{kernel}]"
+    tables = "" if table_optimizer == "adamw" else f", tables {table_optimizer}"
+    return f"{mf_label(preset)} [{kernel}{tables}]"
 
 
 def model_config(kind: str, preset: str, spec: ModelSpec):
@@ -165,6 +167,14 @@ def memory_estimate(info: dict, workload: str, spec: ModelSpec) -> tuple[int, st
         tokens = spec.train_batch * spec.train_seq
         # logits, their log-softmax and gradient (3 x fp32 [tokens, vocab]) + ~24 saved floats per hidden unit per layer
         activations = tokens * (VOCAB * 4 * 3 + hidden * layers * 4 * 24)
+        tables = info.get("table_params", 0) if spec.table_optimizer != "adamw" else 0
+        if tables:
+            # tables: fp32 weights (+ a first moment for adam_rowwise) and one layer's gradient at a time; the rest AdamW
+            per_table = 8 if spec.table_optimizer == "adam_rowwise" else 4
+            need = 16 * (info["params"] - tables) + per_table * tables + 4 * tables // layers + activations + runtime
+            how = (f"16 B/param x {(info['params'] - tables) / 1e9:.2f} B dense params + {per_table} B/param x "
+                   f"{tables / 1e9:.2f} B table params ({spec.table_optimizer}) + ~{activations / GB:.1f} GB activations")
+            return need, how
         need = 4 * weights + activations + runtime
         how = (
             f"16 B/param (fp32 weights + grads + 2 AdamW moments) x {info['params'] / 1e9:.2f} B params "
@@ -267,9 +277,16 @@ def _context(kernel: str | None, workload: str, model=None):
     return ctx
 
 
-def _optimizer(model, spec: ModelSpec):
+def _optimizer(model, spec: ModelSpec, kind: str):
     # fused: one vectorised pass over all parameters, as `memoryformer train` (the Trainer's adamw_torch_fused); the
-    # per-parameter loop costs the MemoryFormer, whose tables hold 90% of its parameters, most of a training step
+    # per-parameter loop costs the MemoryFormer, whose tables hold 90% of its parameters, most of a training step.
+    # With spec.table_optimizer, the MemoryFormer's tables take that rule in the backward pass (`--table-optimizer`).
+    if kind == "mf" and spec.table_optimizer != "adamw":
+        from modeling_memoryformer.training.table_optimizer import TableAdamW, table_param_groups
+        from modeling_memoryformer.training.trainer import no_decay_parameter_names
+
+        groups = table_param_groups(model, spec.table_optimizer, 0.1, no_decay_parameter_names(model))
+        return TableAdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 
 
@@ -337,7 +354,7 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
         row = {
             "preset": preset,
             "workload": workload,
-            "contestant": contestant_name(preset, kind, kernel),
+            "contestant": contestant_name(preset, kind, kernel, spec.table_optimizer),
             "model": kind,
             "kernel": kernel,
             "status": status,
@@ -395,10 +412,13 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
             model.train(workload == "train")
             optimizer = None
             if workload == "train":
-                optimizer = optimizers.setdefault(kind, _optimizer(model, spec))
+                if kind not in optimizers:  # one per model: the kernels of a model share it
+                    optimizers[kind] = _optimizer(model, spec, kind)
+                optimizer = optimizers[kind]
             fn, tokens = workload_fn(model, workload, spec, optimizer)
             contestants.append(
-                Contestant(contestant_name(preset, kind, kernel), fn, _context(kernel, workload, model), kernel=kernel)
+                Contestant(contestant_name(preset, kind, kernel, spec.table_optimizer), fn,
+                           _context(kernel, workload, model), kernel=kernel)
             )
             meta.append((kind, kernel, tokens))
         if contestants:
@@ -424,7 +444,7 @@ def _peak_memory(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, 
     jobs = [("mf", k) for k in kernels] + [("twin", None)]
     for workload in [w for w in spec.workloads if w in (spec.rss_workloads or spec.workloads)]:
         for kind, kernel in jobs:
-            name = contestant_name(preset, kind, kernel)
+            name = contestant_name(preset, kind, kernel, spec.table_optimizer)
             bar.set_postfix_str(f"{preset} peak RSS {workload} {name}")
             row = {"preset": preset, "workload": workload, "contestant": name, "model": kind, "kernel": kernel}
             available = available_memory_bytes()
@@ -497,7 +517,7 @@ def _rss_worker(job: dict) -> None:
     rss_built = current_rss_bytes()
     workload = job["workload"]
     model.train(workload == "train")
-    optimizer = _optimizer(model, spec) if workload == "train" else None
+    optimizer = _optimizer(model, spec, job["model"]) if workload == "train" else None
     fn, _ = workload_fn(model, workload, spec, optimizer)
     with _context(None, workload)():
         for _ in range(spec.rss_train_steps if workload == "train" else 1):

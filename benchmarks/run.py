@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
     g.add_argument("--rss-workloads", nargs="+", choices=("prefill", "decode", "train"),
                    help="workloads whose peak memory is measured (default: all run; quick: prefill)")
+    g.add_argument("--table-optimizer", choices=("adamw", "rowwise_adagrad", "adam_rowwise"),
+                   help="the MemoryFormer tables' optimizer in training (default adamw; see memoryformer train)")
     return p.parse_args(argv)
 
 
@@ -119,6 +121,7 @@ def model_spec(args):
         rss=False if args.no_rss else None,
         rss_workloads=args.rss_workloads,
         quiet_wait_s=args.quiet_wait_s,
+        table_optimizer=args.table_optimizer,
     )
 
 

@@ -91,8 +91,27 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     _store(weight, w)
 
 
+def stochastic_round_to_bf16(value: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`value` (float32) rounded to bfloat16 stochastically: up or down to the two neighbouring bf16 values with
+    probabilities that make the expectation equal to `value`, so that updates far smaller than a bf16 step still move
+    the weight on average. Adds a uniform 16-bit integer to the float32 bit pattern and truncates (the sign is a
+    separate bit, so this rounds the magnitude). Values bf16 holds exactly are unchanged; inf and NaN are kept (round
+    to nearest). Draws from `generator` (default: torch's global generator, which Trainer checkpoints save)."""
+    if value.dtype != torch.float32:
+        raise ValueError(f"stochastic_round_to_bf16 takes float32 values, got {value.dtype}.")
+    bits = value.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    rounded = ((bits + noise) & -65536).view(torch.float32)  # -65536 = 0xFFFF0000: keep sign, exponent, 7 bits
+    rounded = torch.where(torch.isfinite(value) & torch.isfinite(rounded), rounded, value)
+    return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
 def _store(weight: torch.Tensor, value: torch.Tensor) -> None:
-    if value.data_ptr() != weight.data_ptr():
+    """The updated float32 (or float64) value back into the weight: bf16 weights by stochastic rounding (an update
+    smaller than half a bf16 step would otherwise vanish), other dtypes by a plain copy."""
+    if weight.dtype == torch.bfloat16 and value.dtype == torch.float32:
+        weight.copy_(stochastic_round_to_bf16(value))
+    elif value.data_ptr() != weight.data_ptr():
         weight.copy_(value)
 
 
@@ -252,5 +271,6 @@ def describe(rule: str) -> str:
 
 
 __all__ = ["TABLE_OPTIMIZERS", "TableAdamW", "adam_rowwise_update", "check_table_optimizer_setup", "describe",
-           "optimizer_state_bytes", "rowwise_adagrad_update", "table_param_groups", "table_parameters"]
+           "optimizer_state_bytes", "rowwise_adagrad_update", "stochastic_round_to_bf16", "table_param_groups",
+           "table_parameters"]
 

@@ -254,3 +254,47 @@ def test_setups_the_rules_cannot_run_are_refused_with_the_fix(tmp_path, rule):
     with pytest.raises(ValueError, match="must be one of adamw, rowwise_adagrad, adam_rowwise"):
         settings(tmp_path, table_optimizer="sgd")
     check_table_optimizer_setup("adamw", 4, 2)  # AdamW on every parameter: anything goes
+
+
+def test_stochastic_rounding_to_bf16_is_unbiased_and_stays_between_neighbours():
+    from modeling_memoryformer.training.table_optimizer import stochastic_round_to_bf16
+
+    ulp = 2.0**-7  # bf16 spacing in [1, 2)
+    for value, fraction in ((1.0 + ulp / 8, 1 / 8), (-(1.0 + 3 * ulp / 4), 3 / 4)):
+        x = torch.full((100_000,), value)
+        y = stochastic_round_to_bf16(x, torch.Generator().manual_seed(0)).float()
+        magnitudes = y.abs().unique().tolist()
+        assert magnitudes == [1.0, 1.0 + ulp], magnitudes  # only the two neighbours
+        share_up = (y.abs() > 1.0).double().mean().item()
+        assert abs(share_up - fraction) < 4 * (fraction * (1 - fraction) / x.numel()) ** 0.5, (value, share_up)
+        assert abs(y.double().mean().item() - value) < 4 * ulp * (fraction * (1 - fraction) / x.numel()) ** 0.5
+    exact = torch.tensor([1.5, -2.0, 0.0, -0.0, 3.0e-3], dtype=torch.bfloat16).float()
+    assert torch.equal(stochastic_round_to_bf16(exact).float(), exact)
+    special = stochastic_round_to_bf16(torch.tensor([float("inf"), float("-inf"), float("nan")])).float()
+    assert special[0] == float("inf") and special[1] == float("-inf") and torch.isnan(special[2])
+    x = torch.randn(1000)
+    a = stochastic_round_to_bf16(x, torch.Generator().manual_seed(5))
+    b = stochastic_round_to_bf16(x, torch.Generator().manual_seed(5))
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)  # reproducible from the generator's state
+    with pytest.raises(ValueError, match="float32"):
+        stochastic_round_to_bf16(torch.ones(2, dtype=torch.float64))
+
+
+def test_bf16_tables_take_updates_smaller_than_their_step_on_average():
+    """Steps of at most lr = 1e-4 on weights at 1 (bf16 step there: 2**-7 = 0.0078): round to nearest would never move
+    them; with stochastic rounding 100 AdaGrad steps move the mean weight by lr * sum_t 1/sqrt(t) = 0.0019, as in
+    float32."""
+    torch.manual_seed(0)
+    weight = torch.ones(512, 64, dtype=torch.bfloat16)
+    reference = torch.ones(512, 64)
+    grad = torch.ones(512, 64)
+    state, state_ref = torch.zeros(512), torch.zeros(512)
+    for _ in range(100):
+        rowwise_adagrad_update(weight, grad, state, lr=1e-4, eps=1e-8, weight_decay=0.0)
+        rowwise_adagrad_update(reference, grad, state_ref, lr=1e-4, eps=1e-8, weight_decay=0.0)
+    moved = 1.0 - weight.float().mean().item()
+    expected = 1.0 - reference.mean().item()
+    assert 0.0015 < expected < 0.0025  # 1e-4 * sum_t 1/sqrt(t)
+    assert abs(moved - expected) < 0.1 * expected, (moved, expected)
+    nearest = torch.ones(512, 64).add_(-1e-4).to(torch.bfloat16)
+    assert torch.equal(nearest.float(), torch.ones(512, 64))  # what round to nearest would keep

@@ -245,7 +245,7 @@ def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int, wor
     if gradient_accumulation_steps > 1:
         raise ValueError(
             f"--table-optimizer {rule} updates each table in the backward pass, so it cannot accumulate gradients over "
-            f"{gradient_accumulation_steps} micro-batches. Use --gradient-accumulation-steps 1 with a larger "
+            f"{gradient_accumulation_steps} micro-batches. Use --grad-accum 1 with a larger "
             "--batch-size, or --table-optimizer adamw."
         )
     if world_size > 1:

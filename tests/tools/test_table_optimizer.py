@@ -247,7 +247,7 @@ def test_each_rule_learns_the_bigram_as_well_as_adamw(tmp_path):
 
 @pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam_rowwise"])
 def test_setups_the_rules_cannot_run_are_refused_with_the_fix(tmp_path, rule):
-    with pytest.raises(ValueError, match="--gradient-accumulation-steps 1 with a larger --batch-size"):
+    with pytest.raises(ValueError, match="--grad-accum 1 with a larger --batch-size"):
         settings(tmp_path, table_optimizer=rule, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="several processes"):
         check_table_optimizer_setup(rule, 1, 2)

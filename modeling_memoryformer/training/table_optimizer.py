@@ -58,10 +58,26 @@ def table_parameters(model: nn.Module) -> list[nn.Parameter]:
     return found
 
 
+def _fused_step_ops(weight: torch.Tensor, grad: torch.Tensor, *states: torch.Tensor):
+    """The fused kernel's one-pass table updates when they apply (float32 CPU tensors, contiguous, the fused kernel
+    in use), else None: the PyTorch form below computes the same formulas in several passes over the table."""
+    tensors = (weight, grad, *states)
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    from ..memory_ops import _use_fused
+
+    return torch.ops.memoryformer_cpu if _use_fused(weight) else None
+
+
 def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, lr: float, eps: float,
                            weight_decay: float) -> None:
     """One row-wise AdaGrad step in place (see the module docstring): weight and grad [R, D], state_sum [R] float32.
-    The arithmetic is in float32 (float64 for float64 weights); the weight is written back in its own dtype."""
+    The arithmetic is in float32 (float64 for float64 weights); the weight is written back in its own dtype. float32
+    tables take the fused kernel's one-pass update when it is in use (`memory_ops.use_kernel("torch")` avoids it)."""
+    ops = _fused_step_ops(weight, grad, state_sum)
+    if ops is not None:
+        ops.rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay)
+        return
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
     w = weight.to(acc)
     g = grad.to(acc)
@@ -76,6 +92,10 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
                         step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """One step of Adam with a row-wise second moment, in place: exp_avg [R, D] and exp_avg_sq [R] in float32, `step`
     the number of this step (1 for the first)."""
+    ops = _fused_step_ops(weight, grad, exp_avg, exp_avg_sq)
+    if ops is not None:
+        ops.adam_rowwise_step(weight, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps, weight_decay)
+        return
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
     beta1, beta2 = betas
     w = weight.to(acc)

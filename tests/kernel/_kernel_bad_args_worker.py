@@ -471,6 +471,47 @@ def group_linear_rows(ops, c: Calls) -> None:
           lambda out: _close(out, torch.zeros(2, 5), 0))
 
 
+def group_table_steps(ops, c: Calls) -> None:
+    g = torch.Generator().manual_seed(6)
+    w0, grad = torch.randn(9, 21, generator=g), torch.randn(9, 21, generator=g)
+
+    def adagrad(w=None, gr=None, s=None, lr=0.1, eps=1e-8, wd=0.1):
+        w = w0.clone() if w is None else w
+        return lambda: ops.rowwise_adagrad_step(w, grad if gr is None else gr, torch.zeros(9) if s is None else s,
+                                                lr, eps, wd)
+
+    def adam(w=None, gr=None, m=None, v=None, step=1, lr=0.1, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
+        w = w0.clone() if w is None else w
+        return lambda: ops.adam_rowwise_step(w, grad if gr is None else gr, torch.zeros(9, 21) if m is None else m,
+                                             torch.zeros(9) if v is None else v, step, lr, b1, b2, eps, wd)
+
+    def moved(out):
+        return None if out is None else f"returned {type(out).__name__}"
+
+    c.add("adagrad valid", "ok", adagrad(), moved)
+    c.add("adam valid", "ok", adam(), moved)
+    c.add("adagrad 0 rows", "ok", adagrad(w=w0[:0].clone(), gr=grad[:0], s=torch.zeros(0)), moved)
+    for name, call in (("adagrad", adagrad), ("adam", adam)):
+        c.add(f"{name} weight float64", "raise", call(w=w0.double()))
+        c.add(f"{name} weight bf16", "raise", call(w=w0.to(torch.bfloat16)))
+        c.add(f"{name} grad float64", "raise", call(gr=grad.double()))
+        c.add(f"{name} grad of another shape", "raise", call(gr=grad[:8]))
+        c.add(f"{name} weight 1-D", "raise", call(w=w0[0].clone(), gr=grad[0]))
+        c.add(f"{name} weight non-contiguous", "raise", call(w=torch.randn(21, 9).t(), gr=torch.randn(21, 9).t()))
+        for value in (float("nan"), float("inf"), -1.0):
+            c.add(f"{name} lr {value}", "raise", call(lr=value))
+            c.add(f"{name} weight_decay {value}", "raise", call(wd=value))
+        for value in (0.0, -1.0, float("nan")):
+            c.add(f"{name} eps {value}", "raise", call(eps=value))
+    c.add("adagrad state of another length", "raise", adagrad(s=torch.zeros(8)))
+    c.add("adagrad state float64", "raise", adagrad(s=torch.zeros(9, dtype=torch.float64)))
+    c.add("adam exp_avg of another shape", "raise", adam(m=torch.zeros(9, 20)))
+    c.add("adam exp_avg_sq of another length", "raise", adam(v=torch.zeros(10)))
+    c.add("adam step 0", "raise", adam(step=0))
+    for b1, b2 in ((1.0, 0.95), (0.9, 1.0), (-0.1, 0.95), (float("nan"), 0.95)):
+        c.add(f"adam betas {b1}, {b2}", "raise", adam(b1=b1, b2=b2))
+
+
 REQUIRED_OPS = {  # the ops a group calls; a kernel without one of them fails the group once, not per call
     "hash": ("hash",),
     "hash_backward": ("hash_backward",),
@@ -479,6 +520,7 @@ REQUIRED_OPS = {  # the ops a group calls; a kernel without one of them fails th
     "lookup_backward": ("lookup_backward",),
     "planning": ("isa", "machine_info", "set_cache_sizes", "plan", "release_gradient_pool"),
     "linear_rows": ("linear_rows", "linear_rows_max"),
+    "table_steps": ("rowwise_adagrad_step", "adam_rowwise_step"),
 }
 
 GROUPS = {
@@ -489,6 +531,7 @@ GROUPS = {
     "lookup_backward": group_lookup_backward,
     "planning": group_planning,
     "linear_rows": group_linear_rows,
+    "table_steps": group_table_steps,
 }
 
 

@@ -28,7 +28,8 @@ from modeling_memoryformer import memory_ops
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernel_bad_args_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GROUPS = ("hash", "hash_backward", "lookup", "lookup_strategy", "lookup_backward", "planning", "linear_rows")
+GROUPS = ("hash", "hash_backward", "lookup", "lookup_strategy", "lookup_backward", "planning", "linear_rows",
+          "table_steps")
 
 
 def _describe_exit(code: int) -> str:

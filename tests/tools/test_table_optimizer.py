@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from _training_data import synthetic_lm_data
-from conftest import tiny_model
+from conftest import require_kernel, tiny_model
+from modeling_memoryformer import memory_ops
 from modeling_memoryformer.training.table_optimizer import (
     TableAdamW,
     adam_rowwise_update,
@@ -59,27 +60,66 @@ def random_grads(shape, steps, seed):
     return grads
 
 
-def test_rowwise_adagrad_follows_its_formula():
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_rowwise_adagrad_follows_its_formula(kernel):
+    """The fused kernel's one-pass update and the PyTorch form, each against the formula."""
+    require_kernel(kernel)
     w0 = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     grads = random_grads((6, 5), 3, seed=1)
     w, s = w0.clone(), torch.zeros(6)
-    for g in grads:
-        rowwise_adagrad_update(w, g, s, lr=0.1, eps=1e-8, weight_decay=0.1)
+    with memory_ops.use_kernel(kernel):
+        for g in grads:
+            rowwise_adagrad_update(w, g, s, lr=0.1, eps=1e-8, weight_decay=0.1)
     expected_w, expected_s = naive_rowwise_adagrad(w0, grads, 0.1, 1e-8, 0.1)
     torch.testing.assert_close(w.double(), expected_w, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(s.double(), expected_s, rtol=1e-6, atol=1e-7)
 
 
-def test_adam_rowwise_follows_its_formula():
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_adam_rowwise_follows_its_formula(kernel):
+    require_kernel(kernel)
     w0 = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     grads = random_grads((6, 5), 4, seed=2)
     w, m, v = w0.clone(), torch.zeros(6, 5), torch.zeros(6)
-    for t, g in enumerate(grads, start=1):
-        adam_rowwise_update(w, g, m, v, t, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    with memory_ops.use_kernel(kernel):
+        for t, g in enumerate(grads, start=1):
+            adam_rowwise_update(w, g, m, v, t, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     expected_w, expected_m, expected_v = naive_adam_rowwise(w0, grads, 0.01, (0.9, 0.95), 1e-8, 0.1)
     torch.testing.assert_close(w.double(), expected_w, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(m.double(), expected_m, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(v.double(), expected_v, rtol=1e-6, atol=1e-8)
+
+
+def test_fused_and_torch_updates_agree_on_a_large_table():
+    """512-wide rows split over the threads: the one-pass kernel against the PyTorch form, a few float32 roundings
+    apart; and the kernel rejects what it cannot take, naming it."""
+    require_kernel("fused")
+    generator = torch.Generator().manual_seed(3)
+    w0, g = torch.randn(4096, 512, generator=generator), torch.randn(4096, 512, generator=generator) * 1e-2
+    results = {}
+    for kernel in ("fused", "torch"):
+        w, m, v = w0.clone(), torch.zeros(4096, 512), torch.zeros(4096)
+        s = torch.zeros(4096)
+        with memory_ops.use_kernel(kernel):
+            for t in (1, 2):
+                adam_rowwise_update(w, g, m, v, t, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+                rowwise_adagrad_update(w, g, s, lr=3e-3, eps=1e-8, weight_decay=0.1)
+        results[kernel] = (w, m, v, s)
+    for a, b in zip(results["fused"], results["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ops = torch.ops.memoryformer_cpu
+    with pytest.raises(RuntimeError, match="weight and grad must be float32"):
+        ops.rowwise_adagrad_step(w0.double(), g.double(), torch.zeros(4096), 0.1, 1e-8, 0.0)
+    with pytest.raises(RuntimeError, match="state_sum must be float32 of shape"):
+        ops.rowwise_adagrad_step(w0, g, torch.zeros(4095), 0.1, 1e-8, 0.0)
+    with pytest.raises(RuntimeError, match="eps must be finite and > 0"):
+        ops.rowwise_adagrad_step(w0, g, torch.zeros(4096), 0.1, 0.0, 0.0)
+    with pytest.raises(RuntimeError, match="step must be >= 1"):
+        ops.adam_rowwise_step(w0, g, torch.zeros_like(w0), torch.zeros(4096), 0, 0.1, 0.9, 0.95, 1e-8, 0.0)
+    with pytest.raises(RuntimeError, match="betas must be in"):
+        ops.adam_rowwise_step(w0, g, torch.zeros_like(w0), torch.zeros(4096), 1, 0.1, 1.0, 0.95, 1e-8, 0.0)
+    with pytest.raises(RuntimeError, match="grad of the same shape"):
+        ops.adam_rowwise_step(w0, g[:10], torch.zeros_like(w0), torch.zeros(4096), 1, 0.1, 0.9, 0.95, 1e-8, 0.0)
 
 
 def batch(seed):

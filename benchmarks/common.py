@@ -93,7 +93,7 @@ def round_robin(
                     if c.inner > 1:  # one untimed sample at the calibrated size
                         for _ in range(c.inner):
                             c.fn()
-        except Exception as exc:  # noqa: BLE001 - a failing contestant must not stop the others
+        except Exception as exc:
             c.error = _describe(exc)
             tick(warmup - done)
     for r in range(repeats):
@@ -117,7 +117,7 @@ def round_robin(
                 wall, other = other_cpu_since(before)
                 c.timed_wall_s += wall
                 c.other_cpu_s += other
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 c.error = _describe(exc)
             tick(1)
         gc.collect()
@@ -295,7 +295,7 @@ def cpu_flags() -> list[str]:
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, check=False, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -351,10 +351,10 @@ def environment() -> dict:
         from modeling_memoryformer.memory_kernel_source import CPP_SOURCE
 
         kernel_source = hashlib.sha256(CPP_SOURCE.encode()).hexdigest()[:12]
-    except Exception:  # noqa: BLE001 - no fused kernel source in this version of the package
+    except Exception:
         kernel_source = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat(),
         "command": command_line(),
         "cwd": os.getcwd(),
         "python": platform.python_version(),

@@ -132,7 +132,7 @@ def run(spec: LayerSpec, log=print) -> dict:
             g = torch.randn(n, d, generator=gen).to(dtype)
             bar.set_postfix_str(f"{mode} {dtype_name} d={d} N={n}")
 
-            def make(layer, kernel):
+            def make(layer, kernel, x=x, g=g, mode=mode):
                 fn = _forward_fn(layer, x) if mode == "forward" else _fwd_bwd_fn(layer, x, g)
                 name = LINEAR if kernel is None else memory_name(kernel)
                 return Contestant(name=name, fn=fn, context=_context(kernel, mode), kernel=kernel)
@@ -142,7 +142,7 @@ def run(spec: LayerSpec, log=print) -> dict:
             best = None
             for attempt in range(1 + spec.noisy_retries):
                 if attempt:
-                    bar.total += len(contestants) * (max(1, spec.warmup) + spec.repeats)
+                    bar.total += n_contestants * (max(1, spec.warmup) + spec.repeats)
                     bar.set_postfix_str(f"{mode} {dtype_name} d={d} N={n} (noisy, retry {attempt})")
                     time.sleep(spec.noisy_wait_s)
                 waited += wait_for_quiet(spec.quiet_wait_s)
@@ -210,6 +210,6 @@ def _check_against_torch(memory: MemoryLayer, x: torch.Tensor, kernels: list[str
                 with use_kernel(k):
                     diff = float((memory(x).float() - reference).abs().max())
                 out[k] = {"max_abs_diff": diff, "max_abs_torch_output": float(reference.abs().max())}
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out[k] = f"{type(exc).__name__}: {exc}"
     return out

@@ -55,7 +55,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 class BudgetTrainer(Trainer):
     """A Trainer whose learning-rate schedule is a `BudgetSchedule` (so the logged rate is the one applied)."""
 
-    def __init__(self, *args, schedule: "BudgetSchedule", **kwargs):
+    def __init__(self, *args, schedule: BudgetSchedule, **kwargs):
         self.schedule = schedule
         super().__init__(*args, callbacks=[schedule], **kwargs)
 

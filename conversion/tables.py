@@ -98,7 +98,7 @@ class CoordinateMoments:
     m: torch.Tensor
 
     @classmethod
-    def of(cls, values: torch.Tensor, temperature: float) -> "CoordinateMoments":
+    def of(cls, values: torch.Tensor, temperature: float) -> CoordinateMoments:
         """Moments of coordinates given by their values at equal-probability nodes ([d, n], e.g. `gaussian_inputs`)."""
         q = torch.sigmoid(2.0 * values.abs() / temperature)
         sign = torch.stack([values < 0, values >= 0], dim=1).to(values.dtype)  # [d, 2, n]
@@ -138,7 +138,7 @@ def data_free_tables(
     for start in range(0, num_tables, tables_per_step):
         ks = torch.arange(start, min(start + tables_per_step, num_tables))
         coords = ks[:, None] * hash_bits + torch.arange(hash_bits)  # [k, tau]
-        pick = lambda t: t[coords[:, None, :], bits[None, :, :]]  # noqa: E731  [k, 2^tau, tau]
+        pick = lambda t, coords=coords: t[coords[:, None, :], bits[None, :, :]]  # noqa: E731  [k, 2^tau, tau]
         a, b, g = pick(moments.a), pick(moments.b), pick(moments.g)
         mu = a.prod(-1)  # [k, 2^tau]
         diag = b.prod(-1)

@@ -25,7 +25,6 @@ import os
 import sys
 import tempfile
 
-import torch
 from transformers import set_seed
 
 from modeling_memoryformer import MemoryFormerForCausalLM

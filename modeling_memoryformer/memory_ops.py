@@ -464,7 +464,7 @@ def _check_compiles(compiler: str, flags: list[str], source: str, mode: list[str
         command += ["-isystem", include]
     command += ["-x", "c++", "-"]
     try:
-        result = subprocess.run(command, input=source, capture_output=True, text=True, errors="replace")
+        result = subprocess.run(command, input=source, check=False, capture_output=True, text=True, errors="replace")
     except FileNotFoundError as exc:
         raise KernelBuildError(f"The compiler `{compiler}` was not found.") from exc
     if result.returncode != 0:
@@ -515,11 +515,12 @@ def _compiler() -> str:
     return os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_identity(compiler: str) -> str:
     """First line of `<compiler> --version`; a KernelBuildError when there is no such compiler."""
     try:
-        result = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, text=True, timeout=60)
+        result = subprocess.run([*shlex.split(compiler), "--version"], check=False, capture_output=True, text=True,
+                                timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(
             f"MemoryFormer's fused CPU kernel cannot be built: the C++ compiler `{compiler}` was not found or does not "

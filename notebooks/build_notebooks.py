@@ -314,7 +314,6 @@ for name, result in models.items():
   (0.9, 0.95), no decay on biases and norms, clipping at 1, warmup then cosine to 1%) -> `TrainingResult`.
 """),
     code("""
-import torch
 from transformers import set_seed
 
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
@@ -720,7 +719,7 @@ def train_steps(model, blocks, steps, lr, batch_size=8, seed=0):
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
-    for step in range(steps):
+    for _ in range(steps):
         batch = blocks[torch.randint(0, blocks.shape[0], (batch_size,), generator=generator)]
         loss = model(batch, labels=batch).loss
         optimizer.zero_grad()

@@ -85,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
     shown = tokenizer.decode(new_tokens) if tokenizer else new_tokens.tolist()
     print(f"  greedy generation of {args.new_tokens} tokens in {generate_s:.2f} s "
           f"({args.new_tokens / generate_s:.1f} tokens/s, untrained weights): {shown!r}")
-    print(f"\nFLOPs and memory per block against the Pythia twin (paper Table 1 counting, fp16 tables):\n")
+    print("\nFLOPs and memory per block against the Pythia twin (paper Table 1 counting, fp16 tables):\n")
     print(comparison_table({args.preset: config}, args.seq_len))
     print()
     print(layer_memory_table(config))

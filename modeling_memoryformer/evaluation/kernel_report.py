@@ -18,7 +18,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 
-from ..configuration_memoryformer import PRESETS, MemoryFormerConfig
+from ..configuration_memoryformer import MemoryFormerConfig
 
 
 DEFAULT_WORKLOADS = {1: "decode, batch 1", 2048: "prefill, 1 x 2048", 4096: "training, 8 x 512"}
@@ -179,7 +179,7 @@ def _ops():
 def _has_op(name: str) -> bool:
     try:
         return hasattr(_ops(), name)
-    except Exception:  # noqa: BLE001 - an unloaded namespace
+    except Exception:  # an unloaded namespace
         return False
 
 

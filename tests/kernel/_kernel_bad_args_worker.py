@@ -19,7 +19,6 @@ import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 from modeling_memoryformer import memory_ops
 
@@ -561,13 +560,13 @@ def main(group: str, skip: set[str]) -> int:
             result = thunk()
         except RAISES as exc:
             outcome, detail = "raised", _first_line(exc)
-        except Exception as exc:  # noqa: BLE001 - an unexpected exception type is reported, not fatal
+        except Exception as exc:  # an unexpected exception type is reported, not fatal
             outcome, detail = "raised-other", _first_line(exc)
         else:
             if check is not None:
                 try:
                     problem = check(result)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     problem = "check failed: " + traceback.format_exc(limit=1).strip().splitlines()[-1]
                 if problem:
                     outcome, detail = "wrong", problem

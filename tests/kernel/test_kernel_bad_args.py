@@ -50,8 +50,8 @@ def run_group(group: str, max_runs: int = 25) -> tuple[list[dict], list[str], bo
     skip: list[str] = []
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for _ in range(max_runs):
-        proc = subprocess.run([sys.executable, WORKER, group, *skip], capture_output=True, text=True, timeout=900,
-                              cwd=REPO, env=env)
+        proc = subprocess.run([sys.executable, WORKER, group, *skip], check=False, capture_output=True, text=True,
+                              timeout=900, cwd=REPO, env=env)
         started = None
         for line in proc.stdout.splitlines():
             if line.startswith("UNAVAILABLE"):

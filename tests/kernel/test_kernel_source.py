@@ -72,7 +72,7 @@ def clean_env(**overrides: str) -> dict[str, str]:
 
 def run_python(code: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, check=False, capture_output=True, text=True,
         timeout=timeout,
     )
 

@@ -76,7 +76,7 @@ def naive_logits(model: MemoryFormerForCausalLM, input_ids: torch.Tensor) -> tor
 
     x = model.model.embed_tokens.weight.double()[input_ids]  # [b, s, d]
     for layer in model.model.layers:
-        def attention(h):
+        def attention(h, layer=layer):
             qkv = _memory_layer(layer.attention.query_key_value, h)  # [b, s, 3d]: [Q | K | V]
             q, k, v = (t.reshape(batch, seq, heads, head_dim).transpose(1, 2) for t in qkv.split(d, dim=-1))
             q, k = _rope(q, positions, rotary_dim, theta), _rope(k, positions, rotary_dim, theta)
@@ -87,7 +87,7 @@ def naive_logits(model: MemoryFormerForCausalLM, input_ids: torch.Tensor) -> tor
                 out = _memory_layer(layer.attention.dense, out)
             return out
 
-        def memory_block(h):
+        def memory_block(h, layer=layer):
             block = layer.memory_block
             inner = _memory_layer(block.layer1, h)
             if config.memory_block_activation == "gelu":

@@ -35,7 +35,6 @@ from modeling_memoryformer import (
     MemoryFormerConfig,
     MemoryFormerForCausalLM,
     MemoryFormerModel,
-    MemoryLayer,
 )
 
 ATOL = 1e-4

@@ -15,7 +15,7 @@ TINY_CONFIG = ("dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_att
 
 
 def run(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -61,6 +61,6 @@ def test_every_public_name_is_the_object_of_its_module():
 
 def test_star_import_gives_the_public_names():
     namespace = {}
-    exec("from modeling_memoryformer import *", namespace)  # noqa: S102
+    exec("from modeling_memoryformer import *", namespace)
     assert set(modeling_memoryformer.__all__) <= set(namespace)
     assert namespace["MemoryFormerConfig"].model_type == "memoryformer"

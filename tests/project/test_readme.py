@@ -347,7 +347,7 @@ class ReadmeRun:
     def _run_shell(self, code: str) -> str | None:
         try:
             result = subprocess.run(["bash", "-eu", "-o", "pipefail", "-c", code], cwd=self.workspace, env=self.env,
-                                    capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
+                                    check=False, capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
         except subprocess.TimeoutExpired as timeout:
             return f"timed out after {BLOCK_TIMEOUT} s; output:\n{_tail(timeout.stdout)}\n{_tail(timeout.stderr)}"
         if result.returncode == 0:

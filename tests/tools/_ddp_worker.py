@@ -14,10 +14,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _training_data beside this file, conftest in tests/
 
-from _training_data import synthetic_lm_data  # noqa: E402
-from conftest import tiny_model  # noqa: E402
+from _training_data import synthetic_lm_data
+from conftest import tiny_model
 
-from modeling_memoryformer.training.trainer import TrainingSettings, train  # noqa: E402
+from modeling_memoryformer.training.trainer import TrainingSettings, train
 
 
 def main() -> None:

@@ -103,7 +103,7 @@ class LocalHub:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="local-hub", daemon=True)
 
-    def __enter__(self) -> "LocalHub":
+    def __enter__(self) -> LocalHub:
         self._thread.start()
         return self
 
@@ -274,7 +274,7 @@ def _make_handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the client's connection pool expects
 
-        def log_message(self, format: str, *args) -> None:  # noqa: A002  (quiet: tests read hub.requests instead)
+        def log_message(self, format: str, *args) -> None:  # quiet: tests read hub.requests instead
             pass
 
         def _body(self) -> bytes:
@@ -319,13 +319,13 @@ def _make_handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
                 return hub.resolve(self.headers, match["repo"], match["rev"], unquote(match["path"]))
             raise HubError(501, f"The stand-in Hub does not implement {method} {path}")
 
-        def do_GET(self) -> None:  # noqa: N802  (BaseHTTPRequestHandler's naming)
+        def do_GET(self) -> None:  # BaseHTTPRequestHandler's naming
             self._answer(send_body=True)
 
-        def do_HEAD(self) -> None:  # noqa: N802
+        def do_HEAD(self) -> None:
             self._answer(send_body=False)
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._answer(send_body=True)
 
     return Handler

@@ -9,7 +9,6 @@ import math
 import pytest
 
 from modeling_memoryformer.comparison.demo import DemoSettings, run_demo
-from modeling_memoryformer.evaluation.flops import per_block_flops, pythia_block_flops
 
 TINY_DEMO = dict(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, hash_bits=4,
                  expand_bits=1, block_size=32, batch_size=4, max_steps=4, eval_points=2, decode_tokens=4,

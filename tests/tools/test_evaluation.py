@@ -19,8 +19,8 @@ from conftest import tiny_model
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval (lm-evaluation-harness) is not installed")
 
-from modeling_memoryformer.cli import add_eval_arguments  # noqa: E402
-from modeling_memoryformer.evaluation.harness import (  # noqa: E402
+from modeling_memoryformer.cli import add_eval_arguments
+from modeling_memoryformer.evaluation.harness import (
     PAPER_TASKS,
     evaluate_tasks,
     export_offline_tasks,

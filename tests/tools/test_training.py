@@ -4,7 +4,6 @@ logs, exact resume, and data parallelism over two processes."""
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 

@@ -52,7 +52,7 @@ from .common import (
 WORKLOADS = ("prefill", "decode", "train")
 RUNTIME_BYTES = int(0.6 * GB)  # torch + transformers + allocator slack, for the memory estimates
 VOCAB = 50304
-# GPT-NeoX twins of the MF presets: the Pythia shapes (SPEC section 2), random init, untied embeddings.
+# GPT-NeoX twins of the MF presets: the Pythia shapes (paper Table 1), random init, untied embeddings.
 TWINS = {
     "tiny": ("Pythia-70M twin", dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048)),
     "small": ("Pythia-160M twin", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)),

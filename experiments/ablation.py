@@ -1,4 +1,4 @@
-"""Small-scale ablations in the direction of the paper's Tables 3-6 (SPEC section 5).
+"""Small-scale ablations in the direction of the paper's Tables 3-6.
 
 Every variant is a MemoryFormer of the demo shape trained on the same tokens (same data, tokenizer, seed, steps,
 batch); one setting changes at a time against the base (tau = 8, e = 2, 3x LR, no GELU, "paper" score):

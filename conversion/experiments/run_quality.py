@@ -1,4 +1,4 @@
-"""Quality of the conversion on a real teacher (issue 5, part 5).
+"""Quality of the conversion on a real teacher.
 
 On the teacher of `train_teacher.py` (Tiny Shakespeare, first 90% train / last 10% held out):
 1. `convert_pythia` with calibrated tables and distillation within a CPU-time budget; its report holds the held-out

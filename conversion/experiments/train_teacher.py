@@ -1,4 +1,4 @@
-"""Train the Pythia-shaped teacher of the conversion experiment (issue 5, part 5).
+"""Train the Pythia-shaped teacher of the conversion experiment.
 
 A GPT-NeoX with Pythia's layout (parallel residual, GELU MLP of 4d, rotary on a quarter of each head, untied head) at
 hidden 256, 4 layers, 4 heads, with the Pythia tokenizer, trained on the first 90% of Tiny Shakespeare within a CPU-time

@@ -1,9 +1,10 @@
 """Bucket statistics of the hash tables (paper Fig. 4: the buckets of a table are hit with near-uniform frequency).
 
 For every Memory Layer and every one of its K tables, count how many tokens land in each of the 2**tau buckets
-h(z_k) = sum_i [z_k,i >= 0] 2^i (SPEC section 1). A table whose buckets are hit uniformly uses all its rows; the
-paper argues that zero-centred inputs (LayerNorm before every Memory Layer) give exactly that. Uniformity is read
-as the normalised entropy H(p) / log(2**tau) of the hit frequencies p of one table: 1 = uniform, 0 = one bucket.
+h(z_k) = sum_i [z_k,i >= 0] 2^i (the paper's integer() hash, section 2.2). A table whose buckets are hit uniformly
+uses all its rows; the paper argues that zero-centred inputs (LayerNorm before every Memory Layer) give exactly that.
+Uniformity is read as the normalised entropy H(p) / log(2**tau) of the hit frequencies p of one table: 1 = uniform,
+0 = one bucket.
 
     stats = collect_bucket_stats(model, batches)          # forward pre-hooks on the Memory Layers
     stats.normalised_entropy()                            # {"model.layers.0.attention.query_key_value[3]": 0.98}

@@ -1,6 +1,6 @@
 """Training a MemoryFormer (or its dense twin) with `transformers.Trainer` and the paper's recipe.
 
-The recipe (paper section 4.1 and the authors' GPT-NeoX configs, SPEC section 4):
+The recipe (paper section 3.1 and the authors' GPT-NeoX configs):
 
 - AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the tables, embeddings and LM head, none on biases
   and norm parameters (`no_decay_parameter_names`);

@@ -1,4 +1,4 @@
-"""Pythia (GPT-NeoX) -> MemoryFormer conversion (issue 5), against independent oracles:
+"""Pythia (GPT-NeoX) -> MemoryFormer conversion, against independent oracles:
 
 - the mapping: the converted architecture with every Memory Layer swapped for the dense layer it replaces must
   compute the teacher's logits (GPT-NeoX's own forward is the oracle), and the QKV permutation must reproduce

@@ -146,11 +146,11 @@ def group_hash_backward(ops, c: Calls) -> None:
     c.add("x bfloat16, grad_scores float32", "ok", lambda: hb(gs, xb, TAU, False, 1.0),
           check_grad(gs, xb, TAU, False, 1.0))
 
-    c.add("hash_bits 0 (issue 13: SIGFPE)", "raise",
+    c.add("hash_bits 0 (once a SIGFPE)", "raise",
           lambda: hb(torch.ones(4, 4), torch.randn(4, 16), 0, False, 1.0))
     for tau in (-1, 17, 3, 5, 64):
         c.add(f"hash_bits {tau}", "raise", lambda tau=tau: hb(gs, x, tau, False, 1.0))
-    c.add("grad_scores [1] for x [65536, 1024] (issue 13: SIGSEGV)", "raise",
+    c.add("grad_scores [1] for x [65536, 1024] (once a SIGSEGV)", "raise",
           lambda: hb(torch.ones(1), torch.randn(65536, 1024), 4, False, 1.0))
     for shape in ((N - 1, K), (N + 1, K), (N, K - 1), (N, K + 1), (N * K,), (N, K, 1), ()):
         c.add(f"grad_scores {list(shape)} for x [{N}, {K * TAU}]", "raise",
@@ -256,7 +256,7 @@ def group_lookup(ops, c: Calls) -> None:
               ref(big[0], big[1], t, b, _tol(dtype)))
 
     _malformed_lookup_args(c, lk, rows, scores, tables, bias)
-    c.add("bias of length 1 (issue 13: reads past it)", "raise",
+    c.add("bias of length 1 (once read past it)", "raise",
           lambda: lk(*_rows_scores(torch.randn(8, 16)), torch.randn(64, 64), torch.zeros(1), 16))
     _malformed_bias(c, lk, rows, scores, tables)
 

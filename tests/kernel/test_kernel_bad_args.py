@@ -1,4 +1,4 @@
-"""Issue 13 point 5: the fused kernel's ops never crash on bad arguments.
+"""The fused kernel's ops never crash on bad arguments.
 
 Every op gets a table of malformed calls (wrong dims and dtypes, mismatched rows / scores / tables / bias / grad_out,
 rows out of range or in another table's range, bad rows_per_table, hash_bits, temperatures and strategies, cache sizes
@@ -57,7 +57,7 @@ def run_group(group: str, max_runs: int = 25) -> tuple[list[dict], list[str], bo
             if line.startswith("UNAVAILABLE"):
                 return [], [], True
             if line.startswith("MISSING "):
-                return [], [f"{group}: the kernel has no op {', '.join(line.split()[1:])} (issue 13's contract)"], False
+                return [], [f"{group}: the kernel has no op {', '.join(line.split()[1:])} (every op has a group here)"], False
             if line.startswith("CALL "):
                 started = line[5:]
             elif line.startswith("DONE "):

@@ -1,4 +1,4 @@
-"""The kernel source module and the loader's handling of builds that fail (issue 13).
+"""The kernel source module and the loader's handling of builds that fail.
 
 - memory_kernel_source.py is exactly what scripts/generate_kernel_source.py makes of csrc/memoryformer_cpu.cpp, and
   starts with a #line directive, so compiler errors name the .cpp and its line.

@@ -1,4 +1,4 @@
-"""Capabilities declared as they are (issue 14, point 2).
+"""Capabilities declared as they are.
 
 The model classes' capability flags and what backs each one:
 - `_supports_sdpa = True`: test_modeling.py::test_eager_equals_sdpa_float32 (and generation with sdpa).

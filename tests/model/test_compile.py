@@ -1,4 +1,4 @@
-"""torch.compile traces the Memory Layer through the custom op's fake implementation (issue 3)."""
+"""torch.compile traces the Memory Layer through the custom op's fake implementation."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""MemoryFormerConfig: validation (every error names the field and the value), SPEC defaults, presets, round trips."""
+"""MemoryFormerConfig: validation (every error names the field and the value), the paper's defaults, presets, round trips."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_validation_runs_when_building_from_a_dict():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Defaults (SPEC sections 1, 2 and the MF-tiny preset)
+# Defaults (the paper's Memory Layer and architecture, and the MF-tiny preset)
 def test_defaults_follow_spec():
     config = MemoryFormerConfig()
     assert config.model_type == "memoryformer"
@@ -125,7 +125,7 @@ def test_old_style_rotary_keys_are_mapped_to_rope_parameters():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Presets (SPEC section 2 table)
+# Presets (paper Table 1)
 @pytest.mark.parametrize(
     "name, layers, hidden, heads, tau, tables",
     [("tiny", 6, 512, 8, 8, 64), ("small", 12, 768, 12, 8, 96), ("base", 24, 1024, 16, 8, 128)],
@@ -192,7 +192,7 @@ def test_config_save_and_from_pretrained_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Every field: finite where it must be, the right type, a ValueError naming the field and the fix (issue 14)
+# Every field: finite where it must be, the right type, a ValueError naming the field and the fix
 @pytest.mark.parametrize("name", ["table_init_std", "hash_temperature", "layer_norm_eps", "initializer_range"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 0.0, -0.02, "0.02", True, None])
 def test_positive_float_fields_must_be_finite_and_positive(name, value):

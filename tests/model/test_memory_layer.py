@@ -1,6 +1,6 @@
-"""The Memory Layer (SPEC section 1, paper eq. integer(), hash_proj, hash_backward).
+"""The Memory Layer (paper section 2.3, eq. integer(), hash_proj, hash_backward).
 
-Oracles: a per-token python loop written here straight from SPEC section 1 (float64), the closed-form scores, an
+Oracles: a per-token python loop written here straight from the paper's equations (float64), the closed-form scores, an
 explicit softmax over all 2**tau buckets, and `memory_lookup_reference`, the package's own slow twin. Every
 implementation ("torch" and, when it builds, "fused") is run through the `kernel` fixture.
 """
@@ -27,7 +27,7 @@ RELATIVE_TOLERANCE = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The oracle of this file: SPEC section 1 as a per-token, per-table python loop in float64.
+# The oracle of this file: the paper's section 2.3 as a per-token, per-table python loop in float64.
 def naive_code(z: list[float]) -> int:
     """h(z) = sum_i [z_i >= 0] * 2**i; -0.0 >= 0 is True, so sign(0) = +1 for both zeros."""
     return sum(1 << i for i, v in enumerate(z) if v >= 0)

@@ -1,6 +1,6 @@
 """The HF model classes: outputs, loss, attention backends, options, init, save/load and the Auto classes.
 
-The strongest oracle here is `naive_logits`: the whole MemoryFormer forward (SPEC section 2) written out in float64
+The strongest oracle here is `naive_logits`: the whole MemoryFormer forward (paper section 2.4) written out in float64
 from the model's parameters, with its own rotary embedding, causal softmax attention and norms; the Memory Layers
 use `memory_lookup_reference`, itself checked against a per-token loop in test_memory_layer.py.
 """
@@ -29,7 +29,7 @@ from conftest import TINY, tiny_config, tiny_model
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The float64 oracle: SPEC section 2, written out.
+# The float64 oracle: the paper's section 2.4, written out.
 def _norm(module, h, kind):
     h = h.double()
     w = module.weight.double()

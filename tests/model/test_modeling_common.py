@@ -1,6 +1,6 @@
-"""The behaviours transformers' common model tests check, in the style of tests/models/*/test_modeling_*.py (issue 14,
-point 3): a `MemoryFormerModelTester` builds small configs and inputs, and the tests below check each behaviour
-against an independent expectation (a row run alone, an unpadded run, one full forward, plain greedy decoding, the
+"""The behaviours transformers' common model tests check, in the style of tests/models/*/test_modeling_*.py: a
+`MemoryFormerModelTester` builds small configs and inputs, and the tests below check each behaviour against an
+independent expectation (a row run alone, an unpadded run, one full forward, plain greedy decoding, the
 log-probabilities recomputed from a forward, the `_init_weights` rules).
 
 Already covered elsewhere, in the same way, and not repeated here:

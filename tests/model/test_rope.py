@@ -1,4 +1,4 @@
-"""RoPE exactly as transformers' GPT-NeoX (issue 14, point 1): every rope_type of transformers' rope utilities, checked
+"""RoPE exactly as transformers' GPT-NeoX: every rope_type of transformers' rope utilities, checked
 against transformers' own `GPTNeoXRotaryEmbedding` built from a `GPTNeoXConfig` with the same `rope_parameters`."""
 
 import copy

@@ -1,4 +1,4 @@
-"""README.md works as written (issue 19): its shell and Python blocks run on a fresh checkout, offline.
+"""README.md works as written: its shell and Python blocks run on a fresh checkout, offline.
 
 Which blocks: fenced blocks tagged ```bash, ```sh or ```shell (run with `bash -eu -o pipefail -c`) and ```python.
 Untagged fences (program output, the file layout) are not code and are not run.

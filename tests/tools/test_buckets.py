@@ -1,6 +1,6 @@
 """Bucket statistics (paper Fig. 4), each checked against an independent oracle.
 
-The counting oracle captures every Memory Layer's input with its own hooks and hashes it by the SPEC formula in
+The counting oracle captures every Memory Layer's input with its own hooks and hashes it by the paper's integer() hash in
 plain Python (h(z_k) = sum_i [z_k,i >= 0] 2^i), token by token. Entropies are checked against closed forms and a
 float64 formula; the JSON and PNG outputs are read back.
 """
@@ -44,7 +44,7 @@ def expected_layer_names(num_layers: int, dense: bool = False) -> list[str]:
 
 
 def spec_code(chunk: list[float]) -> int:
-    """SPEC section 1: element i carries bit 2**i and sets it when >= 0."""
+    """The paper's integer(): element i carries bit 2**i and sets it when >= 0."""
     return sum(2**i for i, value in enumerate(chunk) if value >= 0)
 
 

@@ -1,4 +1,4 @@
-"""FLOPs and table memory as the paper counts them (SPEC section 3, paper Tables 1, 3 and 5) and the CLI."""
+"""FLOPs and table memory as the paper counts them (paper section 2.3, Tables 1, 3 and 5) and the CLI."""
 
 from __future__ import annotations
 

@@ -134,7 +134,7 @@ def _kernel_with(*ops: str):
         pytest.skip("the fused CPU kernel is not built in this environment")
     missing = [op for op in ops if not hasattr(torch.ops.memoryformer_cpu, op)]
     if missing:
-        pytest.fail(f"the fused kernel lacks {', '.join(missing)} (the contract of issue 13)")
+        pytest.fail(f"the fused kernel lacks {', '.join(missing)} (the ops `memoryformer kernels` reports on)")
     return torch.ops.memoryformer_cpu
 
 

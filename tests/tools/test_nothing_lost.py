@@ -1,4 +1,4 @@
-"""Nothing lost (issue 14, point 4): `train` does not write over another run, `--resume latest` takes the newest
+"""Nothing lost: `train` does not write over another run, `--resume latest` takes the newest
 *complete* checkpoint (an interrupted write is skipped, and said so), resuming without optimizer or scheduler state
 is an error unless asked for, `convert` never writes over its source, and the loaders refuse a checkpoint with
 missing or unexpected tensors instead of filling them with random weights.

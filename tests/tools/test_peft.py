@@ -1,4 +1,4 @@
-"""PEFT / LoRA on MemoryFormer (issue 4, part 4): `modeling_memoryformer.integrations.peft`.
+"""PEFT / LoRA on MemoryFormer: `modeling_memoryformer.integrations.peft`.
 
 Oracles: the base model's own logits (an adapter that starts at zero, or is disabled, must not change them);
 `memory_lookup_reference` (the Memory Layer written from the equations) plus the low-rank path x A^T B^T computed by

@@ -20,7 +20,7 @@ code is loaded, and registered with the Auto classes, on first need:
 import importlib.abc
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {

@@ -63,6 +63,9 @@ def test_the_wheel_builds_without_warnings_and_ships_presets_and_license(tmp_pat
         sources |= {f"modeling_memoryformer/{package}/{path.name}" for path in (ROOT / folder).glob("*.py")}
     assert {name for name in names if name.endswith(".py")} == sources
     assert re.search(r"^License-Expression: Apache-2.0$", metadata, re.M)
+    import modeling_memoryformer
+
+    assert re.search(rf"^Version: {re.escape(modeling_memoryformer.__version__)}$", metadata, re.M)
     if (ROOT / "LICENSE").exists():
         assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
@@ -81,3 +84,19 @@ def test_make_setup_installs_torch_first_and_pinned_with_a_line_per_stage(tmp_pa
     assert re.search(r"pip install --quiet torch==2\.13\.0$", installs[0])  # torch alone, first
     assert '-e ".[dev]"' in installs[1] and installs[1].endswith("torch==2.13.0")  # and kept: no other build
     assert all("--quiet" in line for line in installs)
+
+
+def test_the_version_has_one_source():
+    """pyproject.toml reads the version from `modeling_memoryformer.__version__`; the installed distribution (the
+    editable install of `make setup`) reports the same (the wheel's metadata is checked in the test above)."""
+    import importlib.metadata
+
+    import modeling_memoryformer
+
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "modeling_memoryformer.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", modeling_memoryformer.__version__)
+    assert importlib.metadata.version("memoryformer-hf") == modeling_memoryformer.__version__
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    release = modeling_memoryformer.__version__.split(".dev")[0]  # a development version is the coming release
+    assert re.search(rf"^## \[{re.escape(release)}\]", changelog, re.M), f"CHANGELOG.md has no section for {release}"

@@ -169,12 +169,20 @@ def memory_lookup_reference(
     Gathers the K rows of every token explicitly ([..., K, d_out]) and sums them weighted by the scores.
     """
     _check_tables(x, tables, hash_bits)
-    rows = tables[table_rows(hash_codes(x, hash_bits), hash_bits)]  # [..., K, d_out]
-    scores = hash_scores(x, hash_bits, score, temperature).to(tables.dtype)  # [..., K]
+    dtype = output_dtype(x.dtype, tables.dtype)
+    rows = tables[table_rows(hash_codes(x, hash_bits), hash_bits)].to(dtype)  # [..., K, d_out]
+    scores = hash_scores(x, hash_bits, score, temperature).to(dtype)  # [..., K]
     y = (scores.unsqueeze(-1) * rows).sum(-2)
     if bias is not None:
         y = y + bias
     return y
+
+
+def output_dtype(input_dtype: torch.dtype, table_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a Memory Layer's output: the wider of its input's and its tables'. Tables kept in bfloat16 to halve
+    their memory, in a model that computes in float32, give float32 outputs (the rows are summed in float32 either
+    way); a model cast to bfloat16 as a whole stays bfloat16."""
+    return torch.promote_types(input_dtype, table_dtype)
 
 
 def memory_lookup_hashed(
@@ -200,31 +208,39 @@ def memory_lookup_hashed(
                 f"values in [{int(rows.min())}, {int(rows.max())}]. Pass the rows returned by MemoryLayer.hash() of a "
                 "layer with the same in_features and hash_bits."
             )
-    return _gather_accumulate(rows, scores, tables, bias)
+    return _gather_accumulate(rows, scores, tables, bias, output_dtype(scores.dtype, tables.dtype))
 
 
 def _gather_accumulate(
-    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None
+    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
+    """sum_k scores[..., k] * tables[rows[..., k]] (+ bias) in `dtype`. Both paths accumulate in float32 (float64 for
+    float64 tables); tables narrower than `dtype` give their sum in the tables' dtype, widened afterwards, and the
+    bias is added in `dtype`."""
     lead = rows.shape[:-1]
+    mixed = dtype != tables.dtype
     if _use_fused(tables):
         num_tables = rows.shape[-1]
         y = torch.ops.memoryformer_cpu.lookup(
             rows.reshape(-1, num_tables).contiguous(),
             scores.reshape(-1, num_tables),
             tables.contiguous(),
-            bias,
+            None if mixed else bias,
             tables.shape[0] // num_tables,
         )
-        return y.reshape(*lead, tables.shape[-1])
-    y = F.embedding_bag(
-        rows.reshape(-1, rows.shape[-1]),
-        tables,
-        per_sample_weights=scores.reshape(-1, scores.shape[-1]).to(tables.dtype),
-        mode="sum",
-    )
-    if bias is not None:
-        y = y + bias
+    else:
+        y = F.embedding_bag(
+            rows.reshape(-1, rows.shape[-1]),
+            tables,
+            per_sample_weights=scores.reshape(-1, scores.shape[-1]).to(tables.dtype),
+            mode="sum",
+        )
+        if not mixed and bias is not None:
+            y = y + bias
+    if mixed:
+        y = y.to(dtype)
+        if bias is not None:
+            y = y + bias
     return y.reshape(*lead, tables.shape[-1])
 
 
@@ -254,11 +270,11 @@ def memory_lookup(
         rows, scores = torch.ops.memoryformer_cpu.hash(
             x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
         )
-        y = torch.ops.memoryformer_cpu.lookup(rows, scores, tables.contiguous(), bias, 1 << hash_bits)
+        y = _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype))
         return y.view(*x.shape[:-1], tables.shape[-1])
     rows = table_rows(hash_codes(x, hash_bits), hash_bits)
     scores = hash_scores(x, hash_bits, score, temperature)
-    return _gather_accumulate(rows, scores, tables, bias)
+    return _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype))
 
 
 _LINEAR_ROWS_MAX = 4  # kLinearMaxRows of the C++ kernel (its op linear_rows_max() says the same; a test checks)

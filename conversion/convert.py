@@ -25,7 +25,8 @@ import torch
 from ..training import checkpoints
 from ..training.data import load_tokenizer, refused_checkpoint_message, text_blocks
 from .distill import TrainingBudget, train_student
-from .evaluate import layer_errors, perplexity
+from ..evaluation.perplexity import blocks_perplexity
+from .evaluate import layer_errors
 from .initialization import calibrate, data_free_init
 from .mapping import (
     MEMORY_LAYER_NAMES,
@@ -253,7 +254,7 @@ class _Evaluator:
     def perplexity_only(self, model) -> dict:
         if self.eval_ids is None:
             return {}
-        return {"perplexity": perplexity(model, self.eval_ids, self.settings.batch_size, self.settings.progress)}
+        return {"perplexity": blocks_perplexity(model, self.eval_ids, self.settings.batch_size, self.settings.progress)}
 
     def __call__(self, student) -> dict:
         if self.eval_ids is None:

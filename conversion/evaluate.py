@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from ..evaluation.perplexity import blocks_perplexity as perplexity  # the one implementation, under its old name
 from .mapping import MEMORY_LAYER_NAMES, DenseLayer
 
 
@@ -53,18 +52,6 @@ def _remember_input(store: dict):
         store["x"] = args[0]
 
     return hook
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 16, progress: bool = False) -> float:
-    """exp(mean next-token cross-entropy) over every position of the sequences `input_ids` [S, T] (each sequence on
-    its own, no context carried over)."""
-    total, count = 0.0, 0
-    for ids in tqdm(input_ids.split(batch_size), desc="perplexity", disable=not progress, leave=False):
-        logits = model(ids).logits[:, :-1].float()
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").item()
-        count += ids[:, 1:].numel()
-    return math.exp(total / count)
 
 
 __all__ = ["layer_errors", "perplexity"]

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
 from modeling_memoryformer.conversion.convert import ConvertSettings, convert_pythia, split_text
 from modeling_memoryformer.conversion.distill import TrainingBudget, train_student
-from modeling_memoryformer.conversion.evaluate import perplexity
+from modeling_memoryformer.evaluation.perplexity import blocks_perplexity
 from modeling_memoryformer.training.data import text_blocks
 
 
@@ -46,7 +46,7 @@ def train_from_scratch(converted: str, settings: ConvertSettings, cpu_minutes: f
     model = MemoryFormerForCausalLM(MemoryFormerConfig.from_pretrained(converted))
     budget = TrainingBudget(None, cpu_minutes, lr, settings.batch_size, weight_decay=0.1, seed=settings.seed)
     run = train_student(model, train_ids, budget, progress=settings.progress)
-    return {"perplexity": perplexity(model, held_out, settings.batch_size), "learning_rate": lr, "training": run}
+    return {"perplexity": blocks_perplexity(model, held_out, settings.batch_size), "learning_rate": lr, "training": run}
 
 
 def summary_markdown(result: dict) -> str:

@@ -24,7 +24,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from modeling_memoryformer.conversion.convert import ConversionError, staged_folder
 from modeling_memoryformer.conversion.distill import TrainingBudget, train_student
-from modeling_memoryformer.conversion.evaluate import perplexity
+from modeling_memoryformer.evaluation.perplexity import blocks_perplexity
 from modeling_memoryformer.training.data import load_tokenizer, text_blocks
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with staged_folder(args.out, args.overwrite) as staging:
             run = train_student(model, train_ids, budget)  # the Trainer shuffles
-            held_out = perplexity(model, held_out_ids, batch_size=32, progress=True)
+            held_out = blocks_perplexity(model, held_out_ids, batch_size=32, progress=True)
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             summary = {

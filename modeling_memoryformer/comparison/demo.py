@@ -178,7 +178,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     from transformers import set_seed
 
     from ..evaluation.buckets import collect_bucket_stats, plot_bucket_histograms
-    from ..conversion.evaluate import perplexity
+    from ..evaluation.perplexity import blocks_perplexity
     from ..training.data import build_lm_data
     from ..evaluation.flops import per_block_flops, pythia_block_flops
     from ..evaluation.kernel_report import run_facts
@@ -227,7 +227,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
             "sample": sample_text(model, tokenizer, prompt, settings.decode_tokens, settings.seed),
         }
         if ood_blocks is not None:
-            results[name]["eval_text_perplexity"] = perplexity(model, ood_blocks, batch_size=settings.batch_size)
+            results[name]["eval_text_perplexity"] = blocks_perplexity(model, ood_blocks, batch_size=settings.batch_size)
         curves[name] = loss_curves(result.log_history, tokens_per_step)
 
     validation_batches = torch.utils.data.DataLoader(data.validation, batch_size=settings.batch_size)

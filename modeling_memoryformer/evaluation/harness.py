@@ -22,10 +22,7 @@ data of each task as jsonl and writes a task YAML next to it that includes the h
 swaps the data source (`dataset_path: json`, `dataset_kwargs: {data_files: ...}`); `include_path=` then points the
 harness at that folder and the same task names run without network. Any folder of task YAMLs works the same way.
 
-`perplexity` is the sliding-window evaluation of the transformers documentation ("Perplexity of fixed-length
-models"): windows of `context_length` tokens start every `stride` tokens, and each window scores only the tokens no
-earlier window scored, so every token after the first is scored exactly once, with at least
-`context_length - stride` tokens of context (all of its predecessors while it sits in the first window).
+`perplexity` (from `perplexity.py`) is the sliding-window perplexity of a text.
 
 `run_eval` is the `memoryformer eval` command (its options: `cli.add_eval_arguments`).
 """
@@ -36,7 +33,6 @@ import argparse
 import contextlib
 import difflib
 import json
-import math
 import os
 import pickle
 import sys
@@ -44,14 +40,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .perplexity import perplexity
+
 
 PAPER_TASKS = ("piqa", "winogrande", "wsc", "arc_easy", "arc_challenge", "logiqa")
-DEFAULT_CONTEXT_LENGTH = 1024  # when the model's config states no maximum length
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -274,117 +269,6 @@ def _compact_sample(sample: dict[str, Any]) -> dict[str, Any]:
     responses = [response[0] if isinstance(response, (tuple, list)) else response
                  for response in sample["filtered_resps"]]
     return {"doc_id": sample["doc_id"], "target": sample["target"], "loglikelihoods": responses, **metrics}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Sliding-window perplexity
-def perplexity(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    text_or_path: str | os.PathLike,
-    *,
-    context_length: int | None = None,
-    stride: int | None = None,
-    batch_size: int = 1,
-) -> dict[str, Any]:
-    """Perplexity of `model` on a text, by overlapping windows (the transformers docs' method; module docstring).
-
-    Args:
-        model: a causal LM returning `.logits` [batch, seq, vocab]; evaluated in place, with no gradient.
-        tokenizer: turns the text into ids (no special tokens are added).
-        text_or_path: the text itself (a `str`) or a file to read it from (a `pathlib.Path` / `os.PathLike`).
-        context_length: tokens per window (default: the model's `max_position_embeddings`, else 1024).
-        stride: tokens between window starts, at most `context_length - 1` so that every scored token keeps at least
-            one token of context (default `context_length // 2`).
-        batch_size: windows per forward.
-
-    Returns:
-        {"nll_sum": summed negative log-likelihood (nats), "tokens": tokens scored (all but the first),
-        "ppl": exp(nll_sum / tokens), "context_length", "stride", "windows"}.
-    """
-    if isinstance(text_or_path, os.PathLike):
-        path = Path(text_or_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no text file at {str(path)!r} to compute the perplexity of")
-        text = path.read_text(encoding="utf-8")
-    elif isinstance(text_or_path, str):
-        text = text_or_path
-    else:
-        raise TypeError(f"text_or_path must be the text (str) or a file path (pathlib.Path), got {type(text_or_path)}")
-    max_positions = getattr(model.config, "max_position_embeddings", None)
-    context_length = context_length if context_length is not None else (max_positions or DEFAULT_CONTEXT_LENGTH)
-    if not isinstance(context_length, int) or context_length < 2:
-        raise ValueError(f"context_length must be an integer >= 2 (one token of context, one to score), "
-                         f"got {context_length!r}")
-    if max_positions is not None and context_length > max_positions:
-        raise ValueError(f"context_length={context_length} exceeds the model's max_position_embeddings="
-                         f"{max_positions}; pass context_length <= {max_positions}")
-    stride = stride if stride is not None else context_length // 2
-    if not isinstance(stride, int) or not 1 <= stride < context_length:
-        raise ValueError(f"stride must be an integer in [1, context_length - 1] = [1, {context_length - 1}] so that "
-                         f"every token after the first is scored with context, got {stride!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    if len(ids) < 2:
-        raise ValueError(f"the text has {len(ids)} token(s); perplexity needs at least 2 (one to score)")
-    ids = torch.tensor(ids, dtype=torch.long)
-    windows = _sliding_windows(len(ids), context_length, stride)
-    was_training = model.training
-    model.eval()
-    try:
-        nll_sum = _windows_nll(model, ids, windows, batch_size)
-    finally:
-        model.train(was_training)
-    tokens = len(ids) - 1
-    return {"nll_sum": nll_sum, "tokens": tokens, "ppl": math.exp(nll_sum / tokens),
-            "context_length": context_length, "stride": stride, "windows": len(windows)}
-
-
-def _windows_nll(model: PreTrainedModel, ids: torch.Tensor, windows: list[tuple[int, int, int]],
-                 batch_size: int) -> float:
-    """Summed negative log-likelihood of the new tokens of every window, `batch_size` windows per forward."""
-    device = next(model.parameters()).device
-    nll_sum = 0.0
-    with torch.inference_mode(), tqdm(total=len(ids) - 1, desc="perplexity", unit="tok") as bar:
-        for batch in _same_length_batches(windows, batch_size):
-            inputs = torch.stack([ids[begin:end] for begin, end, _ in batch]).to(device)  # [batch, window]
-            scored = [end - first for _, end, first in batch]
-            # Only the positions predicting scored tokens need logits: the last max(scored) + 1, minus the last one.
-            logits = model(input_ids=inputs, use_cache=False, logits_to_keep=max(scored) + 1).logits
-            predictions = torch.cat([row_logits[-count - 1:-1] for row_logits, count in zip(logits, scored)])
-            targets = torch.cat([ids[first:end] for _, end, first in batch]).to(device)
-            # at least float32 for the softmax (bf16/fp16 logits), never less than the model's own precision
-            predictions = predictions.to(torch.promote_types(predictions.dtype, torch.float32))
-            nll_sum += F.cross_entropy(predictions, targets, reduction="sum").item()
-            bar.update(sum(scored))
-    return nll_sum
-
-
-def _sliding_windows(num_tokens: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored) of each window: ids[begin:end] is the input, ids[first:end] its new tokens."""
-    windows = []
-    scored_until = 1  # the first token has no context and is never scored
-    for begin in range(0, num_tokens, stride):
-        end = min(begin + context_length, num_tokens)
-        windows.append((begin, end, scored_until))
-        scored_until = end
-        if end == num_tokens:
-            break
-    return windows
-
-
-def _same_length_batches(windows: list[tuple[int, int, int]], batch_size: int):
-    """Consecutive windows of equal length in groups of at most `batch_size` (no padding: only the last is short)."""
-    batch: list[tuple[int, int, int]] = []
-    for window in windows:
-        if batch and (len(batch) == batch_size or window[1] - window[0] != batch[0][1] - batch[0][0]):
-            yield batch
-            batch = []
-        batch.append(window)
-    if batch:
-        yield batch
 
 
 # ----------------------------------------------------------------------------------------------------------------------

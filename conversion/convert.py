@@ -9,7 +9,6 @@ and the output path runs before anything is loaded or written.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -30,12 +29,11 @@ from .evaluate import layer_errors
 from .initialization import calibrate, data_free_init
 from .mapping import (
     MEMORY_LAYER_NAMES,
-    ConversionError,
     copy_dense_weights,
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
-from .settings import INITS, ConvertSettings, add_convert_arguments
+from .settings import ConversionError, ConvertSettings
 
 
 SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")))
@@ -47,18 +45,9 @@ SHORT_NAMES = dict(zip(MEMORY_LAYER_NAMES, ("qkv", "attn-out", "mlp-1", "mlp-2")
 
 def check_settings(settings: ConvertSettings):
     """Validate options, output path and source config; return (source GPTNeoXConfig, MemoryFormerConfig)."""
-    if settings.init not in (None, *INITS):
-        raise ConversionError(f"--init {settings.init!r} is not supported; choose one of {', '.join(INITS)}.")
-    if settings.resolved_init == "calibrated" and not settings.calib_text:
-        raise ConversionError("--init calibrated needs calibration text: pass --calib-text FILE (plain text).")
-    if (settings.distill_steps or settings.distill_cpu_minutes) and not settings.calib_text:
-        raise ConversionError("Distillation needs training text: pass --calib-text FILE (plain text).")
-    if settings.distill_cpu_minutes is not None and not settings.distill_cpu_minutes > 0:
-        raise ConversionError(f"--distill-cpu-minutes must be > 0, got {settings.distill_cpu_minutes!r}.")
     for flag, path in (("--calib-text", settings.calib_text), ("--eval-text", settings.eval_text)):
         if path is not None and not os.path.isfile(path):
             raise ConversionError(f"{flag} {path!r} is not a file. Pass a plain-text file.")
-    _check_positive(settings)
     check_not_nested(settings.source, settings.out)  # --overwrite would delete the source
     check_output_folder(settings.out, settings.overwrite)
     source_config = load_source_config(settings.source)
@@ -96,23 +85,6 @@ def check_output_folder(out: str, overwrite: bool) -> None:
         raise OutputExistsError(
             f"--out {out!r} already exists. Choose a new folder, or pass --overwrite to replace a folder."
         )
-
-
-def _check_positive(settings: ConvertSettings) -> None:
-    for flag, value, low in (
-        ("--seq-len", settings.seq_len, 2),
-        ("--calib-tokens", settings.calib_tokens, settings.seq_len),
-        ("--eval-tokens", settings.eval_tokens, settings.seq_len),
-        ("--sweeps", settings.sweeps, 1),
-        ("--batch-size", settings.batch_size, 1),
-        ("--distill-steps", settings.distill_steps, 0),
-    ):
-        if not isinstance(value, int) or value < low:
-            raise ConversionError(f"{flag} must be an integer >= {low}, got {value!r}.")
-    if not 0 < settings.eval_fraction < 1:
-        raise ConversionError(f"--eval-fraction must be in (0, 1), got {settings.eval_fraction!r}.")
-    if not settings.ridge >= 0:
-        raise ConversionError(f"--ridge must be >= 0, got {settings.ridge!r}.")
 
 
 def load_source_config(source: str):
@@ -368,10 +340,8 @@ def plot_layer_errors(report: dict, path: str) -> bool:
 # Command line
 
 
-def run_convert(args: argparse.Namespace) -> int:
+def run_convert(settings: ConvertSettings) -> int:
     """`memoryformer convert`: 0 on success, 2 (with the reason on stderr) when the input cannot be converted."""
-    fields = ConvertSettings.__dataclass_fields__
-    settings = ConvertSettings(**{name: value for name, value in vars(args).items() if name in fields})
     try:
         report = convert_pythia(settings)
     except ConversionError as error:
@@ -385,7 +355,6 @@ def run_convert(args: argparse.Namespace) -> int:
 __all__ = [
     "ConvertSettings",
     "ConversionError",
-    "add_convert_arguments",
     "check_settings",
     "convert_pythia",
     "run_convert",

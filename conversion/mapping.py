@@ -23,13 +23,12 @@ import torch
 from torch import nn
 
 from ..configuration_memoryformer import MemoryFormerConfig
+from .settings import ConversionError
 
 
 SUPPORTED_ACTIVATIONS = ("gelu",)  # nn.GELU() (exact erf form) is what the Memory Block applies
 
 
-class ConversionError(ValueError):
-    """The source checkpoint, the options or the output folder cannot be converted; the message says why and how."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -64,19 +63,6 @@ def memoryformer_config_from_gpt_neox(
             f"rope_parameters['rope_type']={rope.get('rope_type')!r} is not supported: MemoryFormer implements only "
             "the default GPT-NeoX rotary embedding. Convert a checkpoint without RoPE scaling."
         )
-    if not isinstance(hash_bits, int) or isinstance(hash_bits, bool) or not 1 <= hash_bits <= 16:
-        raise ConversionError(
-            f"--hash-bits (hash_bits) must be an integer in 1..16, got {hash_bits!r}: each Memory Layer has tables of "
-            f"2**hash_bits rows. Pick one that divides both hidden_size={source.hidden_size} and intermediate_size="
-            f"{source.intermediate_size}; the paper uses 8."
-        )
-    for name, size in (("hidden_size", source.hidden_size), ("intermediate_size", source.intermediate_size)):
-        if size % hash_bits != 0:
-            raise ConversionError(
-                f"The source {name}={size} is not divisible by hash_bits={hash_bits}: a Memory Layer hashes its input "
-                f"in chunks of hash_bits values. Pick a --hash-bits that divides both hidden_size="
-                f"{source.hidden_size} and intermediate_size={source.intermediate_size}."
-            )
     try:
         return MemoryFormerConfig(
             vocab_size=source.vocab_size,
@@ -108,7 +94,12 @@ def memoryformer_config_from_gpt_neox(
             eos_token_id=source.eos_token_id,
             pad_token_id=source.pad_token_id,
         )
-    except ValueError as error:  # MemoryFormerConfig names the field; say that it came from the source
+    except ValueError as error:  # MemoryFormerConfig checks the values and names the field
+        if "hash_bits" in str(error):  # the one value of the MemoryFormer's that is the user's choice, not the source's
+            raise ConversionError(
+                f"--hash-bits {hash_bits!r} cannot convert this source: {error} Pick a --hash-bits that divides both "
+                f"hidden_size={source.hidden_size} and intermediate_size={source.intermediate_size}; the paper uses 8."
+            ) from error
         raise ConversionError(f"The source configuration cannot be represented as a MemoryFormer: {error}") from error
 
 

@@ -1,4 +1,5 @@
-"""The options of `memoryformer convert`: `ConvertSettings` and the command-line arguments made from it.
+"""The options of `memoryformer convert`: `ConvertSettings`, from whose fields the command line is made
+(`cli.arguments`), and the checks of their values.
 
 A light module (no torch, no transformers), so that `memoryformer convert --help` answers at once; the conversion
 itself is `convert.convert_pythia`.
@@ -6,84 +7,78 @@ itself is `convert.convert_pythia`.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from ..cli.arguments import option, required
 
 INITS = ("data-free", "calibrated")
 
 
+class ConversionError(ValueError):
+    """The source checkpoint, the options or the output folder cannot be converted; the message says why and how."""
+
+
 @dataclass
 class ConvertSettings:
-    """Options of `memoryformer convert` (see `add_convert_arguments` for their meaning)."""
+    """Options of `memoryformer convert`. Values are checked here, when the settings are made; paths and the source
+    when the conversion starts (`convert.check_settings`)."""
 
-    source: str
-    out: str
-    init: str | None = None  # None: "calibrated" when calib_text is given, else "data-free"
-    calib_text: str | None = None
-    eval_text: str | None = None  # None: the last eval_fraction of calib_text is held out
-    eval_fraction: float = 0.1
-    tokenizer: str | None = None  # None: the source folder's tokenizer
-    hash_bits: int = 8
-    hash_temperature: float = 1.0
-    seq_len: int = 128
-    calib_tokens: int = 32768
-    eval_tokens: int = 16384
-    ridge: float = 0.1
-    sweeps: int = 20
-    tolerance: float = 1e-3
-    distill_steps: int = 0
-    distill_cpu_minutes: float | None = None
-    distill_lr: float = 1e-4
-    distill_embeddings: bool = False
-    batch_size: int = 8
-    seed: int = 0
-    overwrite: bool = False
-    progress: bool = True
+    source: str = required("GPT-NeoX model folder (safetensors) or Hub id", flag="--from")
+    out: str = required("output folder (must not exist unless --overwrite)")
+    init: str | None = option(
+        None, "table initialisation (default: calibrated with --calib-text, else data-free)", choices=INITS)
+    calib_text: str | None = option(None, "plain-text file for calibration and distillation")
+    eval_text: str | None = option(
+        None, "held-out plain text (default: the last --eval-fraction of --calib-text)")
+    eval_fraction: float = option(
+        0.1, "share of --calib-text held out for evaluation when no --eval-text is given")
+    tokenizer: str | None = option(None, "tokenizer folder or Hub id (default: the source's)")
+    hash_bits: int = option(8, "tau; must divide d and 4d")
+    hash_temperature: float = option(1.0, "temperature t of the bucket scores")
+    seq_len: int = option(128, "tokens per sequence (calibration, distillation and evaluation)")
+    calib_tokens: int = option(32768, "calibration tokens per fit (bounds the fit's memory)")
+    eval_tokens: int = option(16384, "held-out tokens for the perplexities and layer errors")
+    ridge: float = option(0.1, "ridge strength relative to the mean diagonal of the design's normal matrix")
+    sweeps: int = option(20, "max block-coordinate sweeps per layer")
+    tolerance: float = option(
+        1e-3, "stop a layer's sweeps once one changes its tables by less than this (relative norm)")
+    distill_steps: int = option(0, "distillation steps (0: none, unless --distill-cpu-minutes sets a budget)")
+    distill_cpu_minutes: float | None = option(
+        None, "CPU-time budget of distillation (the schedule runs over it; with --distill-steps, whichever ends "
+        "first)")
+    distill_lr: float = option(1e-4, "peak AdamW rate; higher rates (3e-4 and up) measurably hurt a calibrated start")
+    distill_embeddings: bool = option(
+        False, "also train the token embeddings and LM head (copied from the teacher; frozen by default)")
+    batch_size: int = option(8, "distillation batch size")
+    seed: int = option(0, "seed of the calibration sample and of distillation")
+    overwrite: bool = option(False, "replace an existing --out folder")
+    progress: bool = option(True, "no progress bars (default: progress bars shown)", flag="--quiet")
 
     @property
     def resolved_init(self) -> str:
         return self.init or ("calibrated" if self.calib_text else "data-free")
 
-
-def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `memoryformer convert`."""
-    defaults = ConvertSettings(source="", out="")
-    parser.add_argument("--from", dest="source", required=True, help="GPT-NeoX model folder (safetensors) or Hub id")
-    parser.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    parser.add_argument("--init", choices=INITS, default=None,
-                        help="table initialisation (default: calibrated with --calib-text, else data-free)")
-    parser.add_argument("--calib-text", default=None, help="plain-text file for calibration and distillation")
-    parser.add_argument("--eval-text", default=None,
-                        help="held-out plain text (default: the last --eval-fraction of --calib-text)")
-    parser.add_argument("--eval-fraction", type=float, default=defaults.eval_fraction,
-                        help="share of --calib-text held out for evaluation when no --eval-text is given")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the source's)")
-    parser.add_argument("--hash-bits", type=int, default=defaults.hash_bits, help="tau; must divide d and 4d")
-    parser.add_argument("--hash-temperature", type=float, default=defaults.hash_temperature,
-                        help="temperature t of the bucket scores")
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence (calibration, "
-                        "distillation and evaluation)")
-    parser.add_argument("--calib-tokens", type=int, default=defaults.calib_tokens,
-                        help="calibration tokens per fit (bounds the fit's memory)")
-    parser.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens,
-                        help="held-out tokens for the perplexities and layer errors")
-    parser.add_argument("--ridge", type=float, default=defaults.ridge,
-                        help="ridge strength relative to the mean diagonal of the design's normal matrix")
-    parser.add_argument("--sweeps", type=int, default=defaults.sweeps, help="max block-coordinate sweeps per layer")
-    parser.add_argument("--tolerance", type=float, default=defaults.tolerance,
-                        help="stop a layer's sweeps once one changes its tables by less than this (relative norm)")
-    parser.add_argument("--distill-steps", type=int, default=defaults.distill_steps,
-                        help="distillation steps (0: none, unless --distill-cpu-minutes sets a budget)")
-    parser.add_argument("--distill-cpu-minutes", type=float, default=None,
-                        help="CPU-time budget of distillation (the schedule runs over it; with --distill-steps, whichever ends first)")
-    parser.add_argument("--distill-lr", type=float, default=defaults.distill_lr,
-                        help="peak AdamW rate; higher rates (3e-4 and up) measurably hurt a calibrated start")
-    parser.add_argument("--distill-embeddings", action="store_true",
-                        help="also train the token embeddings and LM head (copied from the teacher; frozen by default)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="distillation batch size")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the calibration sample and of "
-                        "distillation")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    parser.add_argument("--quiet", dest="progress", action="store_false",
-                        help="no progress bars (default: progress bars shown)")
+    def __post_init__(self):
+        if self.init not in (None, *INITS):
+            raise ConversionError(f"--init {self.init!r} is not supported; choose one of {', '.join(INITS)}.")
+        if self.resolved_init == "calibrated" and not self.calib_text:
+            raise ConversionError("--init calibrated needs calibration text: pass --calib-text FILE (plain text).")
+        if (self.distill_steps or self.distill_cpu_minutes) and not self.calib_text:
+            raise ConversionError("Distillation needs training text: pass --calib-text FILE (plain text).")
+        if self.distill_cpu_minutes is not None and not self.distill_cpu_minutes > 0:
+            raise ConversionError(f"--distill-cpu-minutes must be > 0, got {self.distill_cpu_minutes!r}.")
+        for flag, value, low in (
+            ("--seq-len", self.seq_len, 2),
+            ("--calib-tokens", self.calib_tokens, self.seq_len),
+            ("--eval-tokens", self.eval_tokens, self.seq_len),
+            ("--sweeps", self.sweeps, 1),
+            ("--batch-size", self.batch_size, 1),
+            ("--distill-steps", self.distill_steps, 0),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConversionError(f"{flag} must be an integer >= {low}, got {value!r}.")
+        if not 0 < self.eval_fraction < 1:
+            raise ConversionError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction!r}.")
+        if not self.ridge >= 0:
+            raise ConversionError(f"--ridge must be >= 0, got {self.ridge!r}.")
+        # hash_bits and hash_temperature: MemoryFormerConfig checks them (conversion.mapping names the flag)

@@ -12,43 +12,38 @@ BPE tokenizer trained on it in seconds), so it needs no file and no network.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+from ..cli.arguments import option
+from ..training.settings import DataSettings, ModelShape
 
 if TYPE_CHECKING:  # imported where used: `memoryformer demo --help` reads DemoSettings without loading torch
     import torch
 
 
 @dataclass
-class DemoSettings:
-    """What `memoryformer demo` trains on and how long. Defaults take a few minutes per model on 2 CPU cores."""
+class DemoSettings(DataSettings, ModelShape):
+    """What `memoryformer demo` trains on and how long: the data and shape fields of `DataSettings` and `ModelShape`,
+    and those below. Defaults take a few minutes per model on 2 CPU cores."""
 
-    out: str = "memoryformer-demo"
-    data: str | None = None  # None: the embedded default text
-    tokenizer: str | None = None  # None: a byte-level BPE trained on the training text
-    eval_text: str | None = None  # a text file for an extra, out-of-domain perplexity of both models
-    vocab_size: int = 4096  # of the trained tokenizer
-    preset: str | None = None  # a MemoryFormer preset instead of the small demo shape below
-    hidden_size: int = 256
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    hash_bits: int = 8
-    expand_bits: int = 2
-    block_size: int = 128
-    batch_size: int = 8
-    max_steps: int = 400
-    eval_points: int = 8  # evaluations along each model's run (the points of the loss curves)
-    lr_multiplier: float | None = None  # None: MemoryFormer at 3x the twin's learning rate
-    decode_tokens: int = 64
-    prompt_tokens: int = 16
-    seed: int = 0
-    overwrite: bool = False
-    progress: bool = True  # progress bars (tokenizing, training, bucket counting)
-    extra_config: dict = field(default_factory=dict)
+    out: str = option("memoryformer-demo", "report folder")
+    eval_text: str | None = option(
+        None, "a text file for an extra out-of-domain perplexity of both models, e.g. WikiText-2 (default: none)")
+    batch_size: int = option(8, "sequences per step")
+    max_steps: int = option(400, "training steps, same for both models")
+    eval_points: int = option(8, "validation evaluations along each model's run (the points of the loss curves)")
+    lr_multiplier: float | None = option(
+        None, "MemoryFormer learning rate over the twin's (default: 3, the paper's rule)")
+    decode_tokens: int = option(64, "tokens generated for the decode speed and the samples")
+    prompt_tokens: int = option(16, "prompt tokens for the decode speed and the samples")
+    seed: int = option(0, "random seed")
+    overwrite: bool = option(False, "replace an existing report folder")
+    progress: bool = option(True, "no progress bars", flag="--no-progress")
+    extra_config: dict = option({}, cli=False)  # more MemoryFormerConfig fields
 
 
 def memoryformer_config_for(settings: DemoSettings, tokenizer):
@@ -56,10 +51,8 @@ def memoryformer_config_for(settings: DemoSettings, tokenizer):
     tokenizer."""
     from ..training.trainer import config_for_tokenizer
 
-    shape = dict(hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
-                 num_attention_heads=settings.num_attention_heads, hash_bits=settings.hash_bits,
-                 expand_bits=settings.expand_bits)
-    return config_for_tokenizer(tokenizer, settings.preset, shape, settings.block_size, **settings.extra_config)
+    return config_for_tokenizer(tokenizer, settings.preset, settings.shape(), settings.block_size,
+                                **settings.extra_config)
 
 
 def measure_decode(model, prompt_ids: torch.Tensor, new_tokens: int, repeats: int = 3) -> float:
@@ -189,7 +182,8 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     start = time.perf_counter()
     facts = run_facts()  # loads (builds) the Memory Layer kernel before anything is trained or timed
     data = build_lm_data(settings.data, settings.tokenizer, block_size=settings.block_size,
-                         vocab_size=settings.vocab_size, progress=settings.progress)
+                         vocab_size=settings.vocab_size, text_column=settings.text_column,
+                         progress=settings.progress)
     tokenizer = data.tokenizer
     ood_blocks = _out_of_domain_blocks(settings, tokenizer)
     mf_config = memoryformer_config_for(settings, tokenizer)
@@ -334,16 +328,7 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run_demo_cli(args: argparse.Namespace) -> int:
-    """`memoryformer demo` (its options: cli.add_demo_arguments)."""
-    settings = DemoSettings(
-        out=args.out, data=args.data, tokenizer=args.tokenizer, eval_text=args.eval_text, vocab_size=args.vocab_size, preset=args.preset,
-        hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        hash_bits=args.hash_bits, expand_bits=args.expand_bits, block_size=args.block_size,
-        batch_size=args.batch_size, max_steps=args.max_steps, eval_points=args.eval_points,
-        lr_multiplier=args.lr_multiplier,
-        decode_tokens=args.decode_tokens, seed=args.seed, overwrite=args.overwrite,
-        progress=not args.no_progress,
-    )
+def run_demo_cli(settings: DemoSettings) -> int:
+    """`memoryformer demo` (its options: the fields of DemoSettings)."""
     run_demo(settings)
     return 0

@@ -16,7 +16,6 @@ to DIR/buckets next to the model unless --out says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
@@ -30,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..modeling_memoryformer import MemoryLayer
+from .settings import BucketSettings
 
 
 MAX_DEFAULT_PANELS = 6
@@ -328,46 +328,41 @@ def default_bucket_folder(model: str) -> str:
     return os.path.join(model, "buckets")
 
 
-def run_buckets(args: argparse.Namespace) -> int:
+def run_buckets(settings: BucketSettings) -> int:
     """`memoryformer buckets`: count bucket hits of a model on text, write bucket_stats.json and buckets.png into
     --out (default: MODEL/buckets) and print the per-layer table. Returns the exit code."""
     from transformers import AutoModelForCausalLM
 
     from ..training.data import build_lm_data  # the training/data tools are only needed by the CLI
 
-    for flag in ("block_size", "batch_size", "max_tokens"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            print(f"error: --{flag.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
-            return 2
     from ..training.checkpoints import load_pretrained_strict
 
-    out = args.out if args.out is not None else default_bucket_folder(args.model)
-    model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model")
-    data = build_lm_data(args.data, args.tokenizer or args.model, block_size=args.block_size)
+    out = settings.out if settings.out is not None else default_bucket_folder(settings.model)
+    model = load_pretrained_strict(AutoModelForCausalLM, settings.model, "--model")
+    data = build_lm_data(settings.data, settings.tokenizer or settings.model, block_size=settings.block_size)
     if len(data.tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"The tokenizer has {len(data.tokenizer)} tokens but the model's vocabulary is {model.config.vocab_size}: "
             "pass the tokenizer the model was trained with (--tokenizer)."
         )
     dataset = data.validation
-    if args.split == "all":
+    if settings.split == "all":
         dataset = torch.utils.data.ConcatDataset([data.train, data.validation])
-    if args.max_tokens is not None:
-        blocks = math.ceil(args.max_tokens / args.block_size)
+    if settings.max_tokens is not None:
+        blocks = math.ceil(settings.max_tokens / settings.block_size)
         dataset = torch.utils.data.Subset(dataset, range(min(len(dataset), blocks)))
     if len(dataset) == 0:
-        print(f"error: no {args.split} blocks of {args.block_size} tokens in the data", file=sys.stderr)
+        print(f"error: no {settings.split} blocks of {settings.block_size} tokens in the data", file=sys.stderr)
         return 2
-    batches = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size)
+    batches = torch.utils.data.DataLoader(dataset, batch_size=settings.batch_size)
 
-    stats = collect_bucket_stats(model, batches, layers=args.layers, progress=not args.no_progress)
+    stats = collect_bucket_stats(model, batches, layers=settings.layers, progress=settings.progress)
     os.makedirs(out, exist_ok=True)
     stats.to_json(os.path.join(out, "bucket_stats.json"))
     plot_bucket_histograms(stats, os.path.join(out, "buckets.png"),
-                           title=f"Bucket hits of {os.path.basename(args.model.rstrip('/'))} ({stats.tokens:,} tokens)")
+                           title=f"Bucket hits of {os.path.basename(settings.model.rstrip('/'))} ({stats.tokens:,} tokens)")
     entropies = list(stats.normalised_entropy().values())
-    print(f"Bucket hits over {stats.tokens:,} tokens ({args.split}); normalised entropy, 1 = uniform:\n")
+    print(f"Bucket hits over {stats.tokens:,} tokens ({settings.split}); normalised entropy, 1 = uniform:\n")
     print(format_summary(stats))
     print(f"\nAll {len(entropies)} tables: mean {sum(entropies) / len(entropies):.4f}, min {min(entropies):.4f}.")
     print(f"Wrote {os.path.join(out, 'bucket_stats.json')} and {os.path.join(out, 'buckets.png')}")

@@ -164,3 +164,23 @@ def layer_memory_table(config, bytes_per_value: int = 2) -> str:
     lines.append(f"| Memory Block (layer1 + layer2) | | | | | {memory['memory_block']:,} | {_mb(memory['memory_block'])} |")
     lines.append(f"| whole block | | | | | {memory['block']:,} | {_mb(memory['block'])} |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `memoryformer flops` (its options: evaluation.settings.FlopsSettings)
+
+BYTES_PER_VALUE = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def run_flops(settings) -> int:
+    """Print the FLOPs / memory comparison of `settings.presets` against their Pythia twins, and the table memory
+    of each preset's Memory Layers."""
+    from ..configuration_memoryformer import MemoryFormerConfig
+
+    configs = {name: MemoryFormerConfig.from_preset(name) for name in settings.presets}
+    bytes_per_value = BYTES_PER_VALUE[settings.dtype]
+    print(comparison_table(configs, settings.seq_len, bytes_per_value))
+    for name, config in configs.items():
+        print(f"\nMF-{name}: table memory per Memory Layer ({settings.dtype})\n")
+        print(layer_memory_table(config, bytes_per_value))
+    return 0

@@ -29,7 +29,6 @@ harness at that folder and the same task names run without network. Any folder o
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import difflib
 import json
@@ -44,9 +43,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .perplexity import perplexity
-
-
-PAPER_TASKS = ("piqa", "winogrande", "wsc", "arc_easy", "arc_challenge", "logiqa")
+from .settings import PAPER_TASKS, EvalSettings
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -273,43 +270,43 @@ def _compact_sample(sample: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer eval`
-def run_eval(args: argparse.Namespace) -> int:
+def run_eval(settings: EvalSettings) -> int:
     """`memoryformer eval`: harness tasks and/or perplexity of one model, printed and optionally saved as JSON."""
-    tasks = args.tasks if args.tasks is not None else (None if args.perplexity else list(PAPER_TASKS))
+    tasks = settings.tasks if settings.tasks is not None else (None if settings.perplexity else list(PAPER_TASKS))
     try:
-        if args.export_tasks:
-            exported = args.tasks or PAPER_TASKS
-            out_dir = export_offline_tasks(args.export_tasks, exported, include_path=args.include_path)
+        if settings.export_tasks:
+            exported = settings.tasks or PAPER_TASKS
+            out_dir = export_offline_tasks(settings.export_tasks, exported, include_path=settings.include_path)
             print(f"wrote {len(exported)} task(s) to {out_dir}; evaluate offline with --include-path {out_dir}")
             return 0
-        if not args.model:
+        if not settings.model:
             raise ValueError("--model is required: the folder or Hub id of the model to evaluate")
-        if args.perplexity and not Path(args.perplexity).is_file():
-            raise FileNotFoundError(f"--perplexity {args.perplexity!r}: no such text file")
+        if settings.perplexity and not Path(settings.perplexity).is_file():
+            raise FileNotFoundError(f"--perplexity {settings.perplexity!r}: no such text file")
         from .kernel_report import run_facts, run_facts_line
 
         facts = run_facts()  # loads (builds) the Memory Layer kernel before any evaluation
         print(run_facts_line(facts))
-        model, tokenizer = _load_model_and_tokenizer(args.model, args.tokenizer, args.device)
-        report: dict[str, Any] = {"model": args.model, "run": facts}
+        model, tokenizer = _load_model_and_tokenizer(settings.model, settings.tokenizer, settings.device)
+        report: dict[str, Any] = {"model": settings.model, "run": facts}
         if tasks:
-            report["harness"] = evaluate_tasks(model, tokenizer, tasks, num_fewshot=args.num_fewshot,
-                                               batch_size=args.batch_size, limit=args.limit,
-                                               include_path=args.include_path, device=args.device)
+            report["harness"] = evaluate_tasks(model, tokenizer, tasks, num_fewshot=settings.num_fewshot,
+                                               batch_size=settings.batch_size, limit=settings.limit,
+                                               include_path=settings.include_path, device=settings.device)
             print(_task_table(report["harness"]))
-        if args.perplexity:
-            result = perplexity(model, tokenizer, Path(args.perplexity), context_length=args.context_length,
-                                stride=args.stride, batch_size=args.batch_size)
-            report["perplexity"] = {"file": args.perplexity, **result}
-            print(f"\nperplexity of {args.perplexity}: {result['ppl']:.3f} over {result['tokens']} tokens "
+        if settings.perplexity:
+            result = perplexity(model, tokenizer, Path(settings.perplexity), context_length=settings.context_length,
+                                stride=settings.stride, batch_size=settings.batch_size)
+            report["perplexity"] = {"file": settings.perplexity, **result}
+            print(f"\nperplexity of {settings.perplexity}: {result['ppl']:.3f} over {result['tokens']} tokens "
                   f"(context {result['context_length']}, stride {result['stride']}, {result['windows']} windows)")
     except (ValueError, TypeError, FileNotFoundError, ConnectionError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, whatever the cause printed
         return 2
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.out}")
+    if settings.out:
+        Path(settings.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(settings.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {settings.out}")
     return 0
 
 

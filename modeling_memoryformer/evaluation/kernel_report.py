@@ -12,13 +12,13 @@ prefill of batch 1 x 2048 tokens) and 4096 (a training step of batch 8 x 512).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 from dataclasses import asdict, dataclass
 
 from ..configuration_memoryformer import MemoryFormerConfig
+from .settings import KernelsSettings
 
 
 DEFAULT_WORKLOADS = {1: "decode, batch 1", 2048: "prefill, 1 x 2048", 4096: "training, 8 x 512"}
@@ -386,11 +386,11 @@ def format_report(report: dict) -> str:
 # Command line
 
 
-def run_kernels(args: argparse.Namespace) -> int:
-    config = MemoryFormerConfig.from_preset(args.preset)
-    cache_sizes = None if args.cache_sizes is None else tuple(parse_size(s) for s in args.cache_sizes)
-    report = collect(config, args.tokens, args.dtype, cache_sizes, preset=args.preset)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+def run_kernels(settings: KernelsSettings) -> int:
+    config = MemoryFormerConfig.from_preset(settings.preset)
+    cache_sizes = None if settings.cache_sizes is None else tuple(parse_size(s) for s in settings.cache_sizes)
+    report = collect(config, settings.tokens, settings.dtype, cache_sizes, preset=settings.preset)
+    print(json.dumps(report, indent=2) if settings.json else format_report(report))
     return 0
 
 

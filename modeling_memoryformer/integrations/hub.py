@@ -15,7 +15,6 @@ the token in `HF_TOKEN` or the `hf auth login` store.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -36,9 +35,9 @@ from ..evaluation.flops import (
     table_memory,
 )
 from ..modeling_memoryformer import MemoryFormerForCausalLM, MemoryFormerModel
+from .settings import DEFAULT_COMMIT_MESSAGE, PushSettings
 
 
-DEFAULT_COMMIT_MESSAGE = "Upload MemoryFormer model and model card"
 PLACEHOLDER_REPO_ID = "your-namespace/your-memoryformer"  # shown in a card generated without a repo id
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -330,33 +329,33 @@ def push_to_hub(
 
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer push`
-def run_push(args: argparse.Namespace) -> int:
+def run_push(settings: PushSettings) -> int:
     """Load the model folder (safetensors only) and push it with its card; print the commit URL. Exit code 2 for
     bad input, 1 if the Hub refuses the upload."""
-    folder = Path(args.model)
+    folder = Path(settings.model)
     try:
-        check_repo_id(args.repo_id)
+        check_repo_id(settings.repo_id)
         model_class = _saved_model_class(folder)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model = model_class.from_pretrained(folder, use_safetensors=True, dtype="auto")
     tokenizer = None
-    if args.tokenizer or any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if settings.tokenizer or any((folder / name).is_file() for name in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or folder)
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or folder)
     try:
         url = push_to_hub(
-            model, args.repo_id, tokenizer=tokenizer, provenance=args.provenance, private=args.private,
-            commit_message=args.commit_message, base_model=args.base_model, datasets=args.datasets,
-            license=args.license,
+            model, settings.repo_id, tokenizer=tokenizer, provenance=settings.provenance, private=settings.private,
+            commit_message=settings.commit_message, base_model=settings.base_model, datasets=settings.datasets,
+            license=settings.license,
         )
     except ValueError as error:  # e.g. a tokenizer larger than the model's vocabulary
         print(f"error: {error}", file=sys.stderr)
         return 2
     except HfHubHTTPError as error:
-        print(f"error: the Hub refused the upload to {args.repo_id!r}: {error}", file=sys.stderr)
+        print(f"error: the Hub refused the upload to {settings.repo_id!r}: {error}", file=sys.stderr)
         return 1
     print(url)
     return 0

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from . import TABLE_OPTIMIZERS
+from .settings import check_table_optimizer_setup
 
 TABLE_RULES = TABLE_OPTIMIZERS[1:]
 
@@ -254,26 +255,6 @@ def table_param_groups(model: nn.Module, rule: str, weight_decay: float,
               {"params": decay, "weight_decay": weight_decay},
               {"params": plain, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
-
-
-def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int, world_size: int) -> None:
-    """A ValueError naming the problem and the fix when a table rule cannot run as asked."""
-    if rule not in TABLE_OPTIMIZERS:
-        raise ValueError(f"table optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, got {rule!r}.")
-    if rule == "adamw":
-        return
-    if gradient_accumulation_steps > 1:
-        raise ValueError(
-            f"--table-optimizer {rule} updates each table in the backward pass, so it cannot accumulate gradients over "
-            f"{gradient_accumulation_steps} micro-batches. Use --grad-accum 1 with a larger "
-            "--batch-size, or --table-optimizer adamw."
-        )
-    if world_size > 1:
-        raise ValueError(
-            f"--table-optimizer {rule} is not supported with several processes yet ({world_size} here): each rank "
-            "would update the tables with its own gradient before the all-reduce. Train on one process, or use "
-            "--table-optimizer adamw."
-        )
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

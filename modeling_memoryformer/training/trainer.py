@@ -24,20 +24,26 @@ autocast and distributed data parallelism under `torchrun` / `accelerate launch`
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 
-from .table_optimizer import TableAdamW, check_table_optimizer_setup, table_param_groups
+from .settings import (
+    DataSettings,
+    ModelShape,
+    TrainCommandSettings,
+    TrainingSettings,
+    check_table_optimizer_setup,
+)
+from .table_optimizer import TableAdamW, table_param_groups
 
 # (hidden size, learning rate) of the Pythia suite, smallest first: the dense rate of a model is that of the widest
 # Pythia model not wider than it (models narrower than Pythia-70M take its rate).
@@ -187,80 +193,6 @@ class StepTimer(TrainerCallback):
             self.seconds += time.perf_counter() - self._start
             self.steps += 1
             self._start = None
-
-
-@dataclass
-class TrainingSettings:
-    """How to train; the defaults are the paper's recipe (see the module docstring). `learning_rate=None` means
-    `default_learning_rate(model, lr_multiplier)`."""
-
-    output_dir: str
-    max_steps: int = 1000
-    per_device_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float | None = None
-    lr_multiplier: float | None = None
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    warmup_ratio: float = 0.01
-    min_lr_ratio: float = 0.01
-    bf16: bool = False
-    eval_steps: int | None = None  # None: from eval_points (see `evaluation_interval`)
-    eval_points: int | None = None  # evaluations over the run; None: 10, at least 10 steps apart
-    logging_steps: int | None = None  # None: about 50 logs over the run (see `logging_interval`)
-    save_steps: int | None = None  # None: no intermediate checkpoints
-    save_total_limit: int | None = 2
-    report_to: str = "csv"  # "csv", "none", or any Trainer integration ("tensorboard", ...); comma-separated
-    seed: int = 0
-    resume_from_checkpoint: str | bool | None = None  # True: the newest complete checkpoint in output_dir
-    resume_partial: bool = False  # resume from a checkpoint without optimizer/scheduler state (fresh ones)
-    table_optimizer: str = "adamw"  # adamw, rowwise_adagrad or adam_rowwise (see training.table_optimizer)
-    save_final_model: bool = True
-    progress: bool = True
-    extra_arguments: dict = field(default_factory=dict)  # any other TrainingArguments field
-
-    def __post_init__(self):
-        for name in ("max_steps", "per_device_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("eval_steps", "eval_points", "logging_steps", "save_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or None (the default for the run's length), "
-                                 f"got {getattr(self, name)}.")
-        if self.eval_steps is not None and self.eval_points is not None:
-            raise ValueError(f"eval_steps ({self.eval_steps}) and eval_points ({self.eval_points}) both set the "
-                             "evaluation interval; pass one of them.")
-        if self.learning_rate is not None and not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}.")
-        check_table_optimizer_setup(self.table_optimizer, self.gradient_accumulation_steps,
-                                    int(os.environ.get("WORLD_SIZE", "1")))
-        check_output_dir(self.output_dir, "output_dir")
-
-
-def check_output_dir(path, flag: str = "--out") -> None:
-    """A ValueError when `path` cannot become a folder: it is a file, or a file stands where a parent folder should.
-    Checked before any data is read, so that the run does not fail at its first save."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a file, not a folder. Pass a folder path (it is created if missing).")
-    parent = os.path.dirname(path)
-    while parent and not os.path.exists(parent):
-        parent, last = os.path.dirname(parent), parent
-        if parent == last:
-            break
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise ValueError(
-            f"{flag} {path!r} is under {parent!r}, which is a file, not a folder. Pass a folder path outside it."
-        )
 
 
 DEFAULT_EVAL_POINTS = 10
@@ -492,10 +424,11 @@ def config_for_tokenizer(tokenizer, preset: str | None, shape: dict, block_size:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# `memoryformer train` (its options: cli.add_train_arguments)
+# `memoryformer train` (its options: the fields of TrainingSettings, DataSettings, ModelShape, TrainCommandSettings)
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run_train(settings: TrainingSettings, data_settings: DataSettings, shape: ModelShape,
+              command: TrainCommandSettings) -> int:
     from transformers import AutoModelForCausalLM, set_seed
 
     from .data import build_lm_data
@@ -504,57 +437,48 @@ def run_train(args: argparse.Namespace) -> int:
     # settings first: bad values fail before any data is read or tokenizer trained
     from .checkpoints import check_train_output, checkpoint_folders, load_pretrained_strict
 
-    resume = {"latest": True, None: None}.get(args.resume, args.resume)
-    check_output_dir(args.out, "--out")
-    check_train_output(args.out, resume, args.overwrite)
-    settings = TrainingSettings(
-        output_dir=args.out, max_steps=args.max_steps, per_device_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_multiplier=args.lr_multiplier,
-        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, bf16=args.bf16, eval_steps=args.eval_steps,
-        eval_points=args.eval_points, logging_steps=args.logging_steps, save_steps=args.save_steps,
-        report_to=args.report_to, seed=args.seed, resume_from_checkpoint=resume, resume_partial=args.resume_partial,
-        table_optimizer=args.table_optimizer,
-    )
+    out = settings.output_dir
+    resume = settings.resume_from_checkpoint
+    check_train_output(out, resume, command.overwrite)
     main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate, rank 0 reports
     say = print if main_process else (lambda *a, **k: None)
     if resume:
         folder = resolve_resume(settings, say=lambda message: None)  # before any data is read; train() reports skips
         done = checkpoint_step(folder)
-        if done >= settings.max_steps and _final_model_saved(args.out, done):
+        if done >= settings.max_steps and _final_model_saved(out, done):
             say(f"{finished_message(done, settings.max_steps)} ({os.path.basename(folder)}; the final model is in "
-                f"{args.out})")
+                f"{out})")
             return 0
     # before any data is read: a damaged --model (missing or unexpected tensors) fails at once, naming them
-    model = load_pretrained_strict(AutoModelForCausalLM, args.model, "--model") if args.model else None
+    model = load_pretrained_strict(AutoModelForCausalLM, command.model, "--model") if command.model else None
     # a saved model keeps its own tokenizer: a freshly trained BPE would not match its embeddings
-    tokenizer = args.tokenizer or args.model
-    data = build_lm_data(args.data, tokenizer, block_size=args.block_size, vocab_size=args.vocab_size,
-                         text_column=args.text_column)
-    set_seed(args.seed)
-    if args.model:
+    tokenizer = data_settings.tokenizer or command.model
+    data = build_lm_data(data_settings.data, tokenizer, block_size=data_settings.block_size,
+                         vocab_size=data_settings.vocab_size, text_column=data_settings.text_column,
+                         progress=settings.progress)
+    set_seed(settings.seed)
+    if command.model:
         if model.config.vocab_size < len(data.tokenizer):
             raise ValueError(f"The model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                              f"({len(data.tokenizer)}); pass the model's own tokenizer with --tokenizer.")
     else:
-        shape = dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                     hash_bits=args.hash_bits, expand_bits=args.expand_bits)
-        config = config_for_tokenizer(data.tokenizer, args.preset, shape, args.block_size)
+        config = config_for_tokenizer(data.tokenizer, shape.preset, shape.shape(), data_settings.block_size)
         model = MemoryFormerForCausalLM(config)
     say(f"{data.description}: {data.num_train_tokens:,} training / {data.num_validation_tokens:,} validation "
-          f"tokens; {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
-          f"lr {settings.learning_rate or default_learning_rate(model, settings.lr_multiplier):g}")
-    if args.overwrite and not resume:
+        f"tokens; {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
+        f"lr {settings.learning_rate or default_learning_rate(model, settings.lr_multiplier):g}")
+    if command.overwrite and not resume:
         # the earlier run's checkpoints would otherwise mix with this run's (and --resume latest could pick them)
         import shutil
 
-        for folder in checkpoint_folders(args.out):
+        for folder in checkpoint_folders(out):
             shutil.rmtree(folder)
     say(schedule_line(settings))
     result = train(model, data, settings)
     speed = f"{result.train_tokens_per_second:,.0f} training tokens/s; " if result.train_seconds else ""
     say(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; {speed}"
         f"{result.train_seconds:.0f} s training, {result.eval_seconds:.0f} s in {result.evaluations} evaluations; "
-        f"model saved to {args.out}")
+        f"model saved to {out}")
     return 0
 
 

@@ -7,7 +7,6 @@ float64 formula; the JSON and PNG outputs are read back.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -19,7 +18,7 @@ from torch import nn
 
 from conftest import TINY, tiny_model
 from modeling_memoryformer import MemoryLayer
-from modeling_memoryformer.cli import add_bucket_arguments
+from modeling_memoryformer.cli import parse_settings
 from modeling_memoryformer.evaluation.buckets import (
     BucketStats,
     collect_bucket_stats,
@@ -386,10 +385,10 @@ def fake_data(monkeypatch):
     return calls
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_bucket_arguments(parser)
-    return parser.parse_args(argv)
+def parse(argv: list[str]):
+    """The BucketSettings of `memoryformer buckets ARGV` (its checks run here, as in the command)."""
+    (settings,) = parse_settings(["buckets", *argv])
+    return settings
 
 
 def test_the_command_counts_validation_blocks_and_writes_json_and_png(tmp_path, fake_data, capsys):
@@ -420,10 +419,14 @@ def test_the_command_honours_split_max_tokens_and_layers(tmp_path, fake_data):
     assert list(stats.counts) == [layer]
 
 
-def test_the_command_rejects_non_positive_sizes(tmp_path, fake_data, capsys):
-    argv = ["--model", str(tmp_path), "--block-size", "0", "--out", str(tmp_path / "out")]
-    assert run_buckets(parse(argv)) == 2
-    assert "--block-size must be positive" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", ["--batch-size", "--max-tokens"])
+def test_the_command_rejects_non_positive_sizes(tmp_path, fake_data, capsys, flag):
+    from modeling_memoryformer import cli
+
+    argv = ["buckets", "--model", str(tmp_path), flag, "0", "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    assert f"error: {flag} must be >= 1" in capsys.readouterr().err
+    assert fake_data == [] and not (tmp_path / "out").exists()  # refused before any data is read
 
 
 def test_the_command_writes_next_to_a_local_model_by_default(tmp_path, fake_data, capsys):

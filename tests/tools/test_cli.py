@@ -91,7 +91,7 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path, capsys):
     assert "missing.txt" in capsys.readouterr().err
     assert cli.main(["train", "--out", str(tmp_path / "y"), "--max-steps", "0", "--hidden-size", "32", "--layers", "1",
                      "--heads", "2", "--hash-bits", "4", "--vocab-size", "300"]) == 2
-    assert "max_steps must be >= 1" in capsys.readouterr().err
+    assert "error: --max-steps must be >= 1, got 0" in capsys.readouterr().err  # the flag, not the field
 
 
 def test_resuming_a_finished_run_trains_nothing_and_says_so(trained, tmp_path, capsys):

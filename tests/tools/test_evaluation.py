@@ -7,7 +7,6 @@ temporary folder, and the Hub is switched off for huggingface_hub and datasets.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -19,7 +18,7 @@ from conftest import tiny_model
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval (lm-evaluation-harness) is not installed")
 
-from modeling_memoryformer.cli import add_eval_arguments
+from modeling_memoryformer.cli import parse_settings
 from modeling_memoryformer.evaluation.harness import (
     PAPER_TASKS,
     evaluate_tasks,
@@ -359,10 +358,10 @@ def test_task_data_out_of_reach_says_how_to_evaluate_offline(tokenizer):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer eval`
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_eval_arguments(parser)
-    return parser.parse_args(argv)
+def parse(argv: list[str]):
+    """The EvalSettings of `memoryformer eval ARGV`."""
+    (settings,) = parse_settings(["eval", *argv])
+    return settings
 
 
 def test_eval_command_runs_tasks_and_perplexity_from_a_saved_model_and_writes_json(tokenizer, tmp_path, capsys):

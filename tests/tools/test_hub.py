@@ -3,7 +3,6 @@ huggingface_hub client, and the pushed repo loaded by remote code in a process t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -22,7 +21,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from modeling_memoryformer import MemoryFormerForCausalLM, MemoryFormerPreTrainedModel
 from modeling_memoryformer.evaluation.flops import per_block_flops, table_memory
-from modeling_memoryformer.cli import add_push_arguments
+from modeling_memoryformer.cli import parse_settings
 from modeling_memoryformer.integrations.hub import model_card, push_to_hub, run_push
 
 from conftest import tiny_model
@@ -76,10 +75,10 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
     return result
 
 
-def push_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_push_arguments(parser)
-    return parser.parse_args(list(argv))
+def push_args(*argv: str):
+    """The PushSettings of `memoryformer push ARGV`."""
+    (settings,) = parse_settings(["push", *argv])
+    return settings
 
 
 def front_matter(card: str) -> dict:

@@ -243,3 +243,27 @@ def test_eval_steps_and_eval_points_together_are_an_error(tmp_path):
         settings(tmp_path, eval_steps=3, eval_points=2)
     with pytest.raises(ValueError, match="eval_points must be >= 1"):
         settings(tmp_path, eval_steps=None, eval_points=0)
+
+
+def test_training_arguments_carry_every_setting(tmp_path):
+    """Each TrainingSettings field reaches the Trainer: the same-named ones as they are, the others translated."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from modeling_memoryformer.training.trainer import SAME_AS_TRAINING_ARGUMENTS, training_arguments
+
+    trainer_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert set(SAME_AS_TRAINING_ARGUMENTS) <= trainer_fields & {f.name for f in dataclasses.fields(TrainingSettings)}
+    settings = TrainingSettings(
+        output_dir=str(tmp_path / "run"), max_steps=70, per_device_batch_size=3, gradient_accumulation_steps=2,
+        learning_rate=2e-3, weight_decay=0.2, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6, max_grad_norm=0.5,
+        warmup_ratio=0.2, min_lr_ratio=0.1, eval_steps=7, logging_steps=5, save_steps=35, save_total_limit=3,
+        report_to="none", seed=5, progress=False)
+    args = training_arguments(settings, model=None)  # the model is only read for the default learning rate
+    for name in SAME_AS_TRAINING_ARGUMENTS:
+        assert getattr(args, name) == getattr(settings, name), name
+    assert (args.per_device_train_batch_size, args.per_device_eval_batch_size, args.learning_rate) == (3, 3, 2e-3)
+    assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.1} and args.get_warmup_steps(70) == 14  # 0.2 of the steps
+    assert (args.eval_steps, args.logging_steps, args.save_steps, args.save_strategy) == (7, 5, 35, "steps")
+    assert args.data_seed == 5 and args.disable_tqdm and args.report_to == []

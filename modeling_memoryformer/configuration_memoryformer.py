@@ -13,6 +13,10 @@ _NORM_TYPES = ("layernorm", "rmsnorm")
 _HASH_SCORES = ("paper", "l1")
 _ATTENTION_OUTPUTS = ("none", "memory")
 _BLOCK_ACTIVATIONS = ("none", "gelu")
+# Storage of the hash tables and of the LM head for inference (see quantization.py): None (the model's dtype,
+# trainable), "bfloat16" or "int8" (a scale and an offset per row). "bf16" is read as "bfloat16".
+QUANTIZED_DTYPES = ("bfloat16", "int8")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8"}
 # The fix for each positive-integer and positive-float field, appended to its error message.
 _FIXES = {
     "vocab_size": "Use the tokenizer's vocabulary size (50304 for Pythia's padded GPT-NeoX vocabulary).",
@@ -66,6 +70,10 @@ class MemoryFormerConfig(PreTrainedConfig):
         memory_block_activation: "none" (paper) or "gelu" between the two Memory Layers of the Memory Block.
         initializer_range: std of the embedding and LM-head init.
         table_init_std: std of the hash-table init, N(0, table_init_std).
+        table_dtype: storage of every Memory Layer's tables: None (the model's dtype, trainable), "bfloat16", or
+            "int8" (a float32 scale and offset per row, inference only); rows are summed in float32. Set by
+            `model.quantize_tables(...)` and saved with the model, so `from_pretrained` rebuilds the same storage.
+        lm_head_dtype: storage of the LM head: None, "bfloat16" or "int8" (a float32 scale per row, inference only).
     """
 
     model_type = "memoryformer"
@@ -99,6 +107,8 @@ class MemoryFormerConfig(PreTrainedConfig):
         eos_token_id: int | list[int] | None = 0,
         pad_token_id: int | None = None,
         tie_word_embeddings: bool = False,
+        table_dtype: str | None = None,
+        lm_head_dtype: str | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -125,6 +135,8 @@ class MemoryFormerConfig(PreTrainedConfig):
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.tie_word_embeddings = tie_word_embeddings
+        self.table_dtype = canonical_storage_dtype(table_dtype, "table_dtype")
+        self.lm_head_dtype = canonical_storage_dtype(lm_head_dtype, "lm_head_dtype")
         self._check_hash_shapes()  # intermediate_size's default needs a valid hash_bits
         if intermediate_size is None:
             intermediate_size = (hash_bits + expand_bits) * (hidden_size // hash_bits)
@@ -233,7 +245,26 @@ class MemoryFormerConfig(PreTrainedConfig):
                     f"{name} must be {kind} in [0, vocab_size={self.vocab_size}), got {value!r}. Use the "
                     f"tokenizer's {name.removesuffix('_token_id')} token id, or None."
                 )
+        self._check_storage_dtypes()
         self._check_rope_parameters()
+
+    def _check_storage_dtypes(self) -> None:
+        for name in ("table_dtype", "lm_head_dtype"):
+            canonical_storage_dtype(getattr(self, name), name)
+        if self.table_dtype == "int8":
+            widths = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size}
+            for name, width in widths.items():
+                if width % 4:
+                    raise ValueError(
+                        f"table_dtype='int8' stores each table row with its float32 scale and offset, which needs rows "
+                        f"of a multiple of 4 values; {name}={width} is not. Use table_dtype='bfloat16', or a {name} "
+                        "that is a multiple of 4."
+                    )
+        if self.lm_head_dtype is not None and self.tie_word_embeddings:
+            raise ValueError(
+                f"lm_head_dtype={self.lm_head_dtype!r} needs an LM head of its own, but tie_word_embeddings=True shares "
+                "it with the input embedding. Leave lm_head_dtype unset (None) for a tied model."
+            )
 
     # ----------------------------------------------------------------------------------------------------------------
     # RoPE, as GPTNeoXConfig: `rope_parameters` = {"rope_type", "rope_theta", "partial_rotary_factor", + the keys of
@@ -289,6 +320,19 @@ class MemoryFormerConfig(PreTrainedConfig):
             values = json.load(f)
         values.update(overrides)
         return cls(**values)
+
+
+def canonical_storage_dtype(value, name: str) -> str | None:
+    """None, "bfloat16" or "int8" for what a user may write ("bf16", "bfloat16", "int8", "INT8", torch.bfloat16)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value).removeprefix("torch.")
+    if text.lower() in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[text.lower()]
+    raise ValueError(
+        f"{name}={value!r} is not supported; choose 'int8' (a scale and an offset per row, about a quarter of the "
+        "float32 bytes, inference only), 'bf16' (half), or None (the model's dtype)."
+    )
 
 
 def _preset_path(name: str) -> str:

@@ -24,7 +24,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_memoryformer import MemoryFormerConfig
+from .configuration_memoryformer import MemoryFormerConfig, canonical_storage_dtype
 from .memory_ops import (
     HASH_SCORES,
     few_rows_linear,
@@ -34,6 +34,19 @@ from .memory_ops import (
     memory_lookup_hashed,
     num_tables_for,
     table_rows,
+)
+from .quantization import (
+    INT8_ROW_BYTES,
+    Int8LMHead,
+    assemble_int8,
+    bf16_linear,
+    dequantize_int8,
+    int8_block,
+    int8_lookup,
+    int8_memory_lookup,
+    int8_views,
+    quantize_int8_rows,
+    training_refusal,
 )
 
 
@@ -70,8 +83,11 @@ class MemoryLayer(nn.Module):
         bias: add a learnable bias b.
         score: "paper" or "l1" (see `memory_ops.hash_scores`).
         temperature: t > 0 in the score.
+        table_dtype: None (tables in `dtype`), "bfloat16", or "int8" (inference only, see quantization.py).
 
-    Parameters: `tables` [K * 2**hash_bits, out_features] (table-major) and `bias` [out_features].
+    Parameters: `tables` [K * 2**hash_bits, out_features] (table-major) and `bias` [out_features]. With int8 tables,
+    `tables` is None and the buffers `tables_codes` uint8 [K * 2**hash_bits, out_features], `tables_scale` and
+    `tables_offset` float32 [K * 2**hash_bits] hold them (row r ~ codes[r] * scale[r] + offset[r]).
     Input [..., in_features] -> output [..., out_features].
     """
 
@@ -83,6 +99,7 @@ class MemoryLayer(nn.Module):
         bias: bool = True,
         score: str = "paper",
         temperature: float = 1.0,
+        table_dtype: str | None = None,
         device=None,
         dtype=None,
     ):
@@ -101,15 +118,96 @@ class MemoryLayer(nn.Module):
         self.num_tables = num_tables_for(in_features, hash_bits)
         self.score = score
         self.temperature = float(temperature)
+        self.table_dtype = canonical_storage_dtype(table_dtype, "table_dtype")
         factory = {"device": device, "dtype": dtype}
-        self.tables = nn.Parameter(torch.empty(self.num_tables << hash_bits, out_features, **factory))
+        rows = self.num_tables << hash_bits
+        if self.table_dtype == "int8":
+            self._check_int8_width()
+            self.register_parameter("tables", None)
+            self._set_int8(torch.empty(rows, out_features + INT8_ROW_BYTES, dtype=torch.uint8, device=device))
+        else:
+            table_factory = {**factory, "dtype": torch.bfloat16} if self.table_dtype == "bfloat16" else factory
+            self.tables = nn.Parameter(torch.empty(rows, out_features, **table_factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        nn.init.normal_(self.tables, std=std)
+        if self.tables is not None:
+            nn.init.normal_(self.tables, std=std)
+        elif self.tables_codes.device.type != "meta":  # int8: the int8 rounding of an N(0, std) table
+            rows = torch.empty(self.tables_codes.shape, device=self.tables_codes.device).normal_(std=std)
+            self._set_int8(quantize_int8_rows(rows))
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Table storage for inference: bfloat16 or int8 (see quantization.py)
+    def _check_int8_width(self) -> None:
+        if self.out_features % 4:
+            raise ValueError(
+                f"int8 tables store each row with its float32 scale and offset, which needs out_features to be a "
+                f"multiple of 4; this layer has {self.out_features}. Use 'bfloat16' tables for it."
+            )
+
+    def _set_int8(self, packed: torch.Tensor) -> None:
+        """Hold int8 tables as the three views of one [R, d + 8] block (FBGEMM's row-wise layout)."""
+        codes, scale, offset = int8_views(packed)
+        for name, value in (("tables_codes", codes), ("tables_scale", scale), ("tables_offset", offset)):
+            if name in self._buffers:
+                self._buffers[name] = value
+            else:
+                self.register_buffer(name, value)
+
+    def _int8_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale, offset). On the CPU, three separate tensors (as `from_pretrained` or `.to()` leave them) are
+        first assembled into one block, once, so that the embedding bag reads them in place."""
+        codes, scale, offset = self.tables_codes, self.tables_scale, self.tables_offset
+        if codes.device.type == "cpu" and not torch.compiler.is_compiling() and int8_block(codes, scale, offset) is None:
+            self._set_int8(assemble_int8(codes, scale, offset))
+        return self.tables_codes, self.tables_scale, self.tables_offset
+
+    @torch.no_grad()
+    def quantize_tables_(self, dtype: str) -> "MemoryLayer":
+        """Store the tables as "bfloat16" or "int8" (row-wise scale and offset), in place; returns the layer."""
+        dtype = canonical_storage_dtype(dtype, "dtype")
+        if dtype is None:
+            raise ValueError("quantize_tables_ needs 'int8' or 'bf16'; dequantize_tables_() restores float32 tables.")
+        if dtype == self.table_dtype:
+            return self
+        if self.table_dtype == "int8":
+            raise ValueError(
+                f"These tables are int8 already; rounding them to {dtype} would round twice. Quantise the float32 "
+                "model instead, or call dequantize_tables_() first."
+            )
+        if dtype == "int8":
+            self._check_int8_width()
+            packed = quantize_int8_rows(self.tables)
+            del self.tables
+            self.register_parameter("tables", None)
+            self._set_int8(packed)
+            self.eval()
+        else:
+            self.tables = nn.Parameter(self.tables.to(torch.bfloat16), requires_grad=self.tables.requires_grad)
+        self.table_dtype = dtype
+        return self
+
+    @torch.no_grad()
+    def dequantize_tables_(self, dtype: torch.dtype = torch.float32) -> "MemoryLayer":
+        """Tables back to a trainable `dtype` Parameter holding the stored values (int8: codes * scale + offset)."""
+        if self.table_dtype == "int8":
+            tables = dequantize_int8(self.tables_codes, self.tables_scale, self.tables_offset).to(dtype)
+            for name in ("tables_codes", "tables_scale", "tables_offset"):
+                del self._buffers[name]
+            self.tables = nn.Parameter(tables)
+        elif self.tables is not None:
+            self.tables = nn.Parameter(self.tables.to(dtype))
+        self.table_dtype = None
+        return self
+
+    def train(self, mode: bool = True):
+        if mode and self.table_dtype == "int8":
+            raise RuntimeError(training_refusal("int8 tables"))
+        return super().train(mode)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.in_features:
@@ -138,6 +236,9 @@ class MemoryLayer(nn.Module):
             if x is None:
                 raise ValueError("MemoryLayer needs an input x or a precomputed `hashed=(rows, scores)`.")
             self._check_input(x)
+            if self.table_dtype == "int8":
+                return int8_memory_lookup(x, *self._int8_tables(), self.bias, self.hash_bits, self.score,
+                                          self.temperature)
             return memory_lookup(x, self.tables, self.bias, self.hash_bits, self.score, self.temperature)
         rows, scores = hashed
         if rows.shape[-1] != self.num_tables:
@@ -145,13 +246,15 @@ class MemoryLayer(nn.Module):
                 f"The hash has {rows.shape[-1]} tables per token but this layer has {self.num_tables}; share a "
                 "hash only between Memory Layers of the same in_features and hash_bits."
             )
+        if self.table_dtype == "int8":
+            return int8_lookup(rows, scores, *self._int8_tables(), self.bias, scores.dtype)
         return memory_lookup_hashed(rows, scores, self.tables, self.bias)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, hash_bits={self.hash_bits}, "
             f"num_tables={self.num_tables}, bias={self.bias is not None}, score={self.score!r}, "
-            f"temperature={self.temperature}"
+            f"temperature={self.temperature}" + (f", table_dtype={self.table_dtype!r}" if self.table_dtype else "")
         )
 
 
@@ -258,6 +361,7 @@ class MemoryFormerAttention(nn.Module):
             bias=config.memory_bias,
             score=config.hash_score,
             temperature=config.hash_temperature,
+            table_dtype=config.table_dtype,
         )
         self.query_key_value = MemoryLayer(config.hidden_size, 3 * config.hidden_size, **memory_layer)
         self.dense = (
@@ -316,7 +420,12 @@ class MemoryBlock(nn.Module):
 
     def __init__(self, config: MemoryFormerConfig):
         super().__init__()
-        memory_layer = dict(bias=config.memory_bias, score=config.hash_score, temperature=config.hash_temperature)
+        memory_layer = dict(
+            bias=config.memory_bias,
+            score=config.hash_score,
+            temperature=config.hash_temperature,
+            table_dtype=config.table_dtype,
+        )
         self.layer1 = MemoryLayer(config.hidden_size, config.intermediate_size, config.hash_bits, **memory_layer)
         self.act = nn.GELU() if config.memory_block_activation == "gelu" else nn.Identity()
         self.norm = nn.LayerNorm(config.intermediate_size, eps=config.layer_norm_eps)
@@ -385,11 +494,119 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, MemoryLayer):
-            init.normal_(module.tables, mean=0.0, std=self.config.table_init_std)
+            if module.tables is not None:
+                init.normal_(module.tables, mean=0.0, std=self.config.table_init_std)
+            elif not getattr(module.tables_codes, "_is_hf_initialized", False):  # int8 tables not loaded
+                module.reset_parameters(std=self.config.table_init_std)
             if module.bias is not None:
                 init.zeros_(module.bias)
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # Tables and LM head stored in bfloat16 or int8 for inference (quantization.py)
+    @torch.no_grad()
+    def quantize_tables(self, dtype: str, lm_head: str | None = None):
+        """Store every Memory Layer's tables as `dtype`, in place, and record it in the config (`table_dtype`) so that
+        `save_pretrained` / `from_pretrained` keep it; returns the model.
+
+        dtype: "int8" (codes with a float32 scale and offset per row, about a quarter of the float32 bytes; inference
+            only: the model refuses `train()` and backward passes) or "bf16" (half; the tables stay trainable).
+        lm_head: also store the LM head as "int8" (a float32 scale per row, inference only) or "bf16"; None leaves it.
+        Rows are summed in float32 and the model's outputs keep their dtype.
+        """
+        dtype = canonical_storage_dtype(dtype, "dtype")
+        if dtype is None:
+            raise ValueError(
+                "quantize_tables needs dtype='int8' or 'bf16'; use model.quantize_lm_head(...) to quantise only the "
+                "LM head, and model.dequantize_tables() to go back to float32."
+            )
+        layers = [m for m in self.modules() if isinstance(m, MemoryLayer)]
+        if dtype != "int8" and any(layer.table_dtype == "int8" for layer in layers):
+            raise ValueError(
+                f"The tables are int8 already; storing them as {dtype} would round them twice. Quantise the float32 "
+                "model instead, or call model.dequantize_tables() first."
+            )
+        for layer in layers:  # one layer at a time: the float32 copy of only one is alive at once
+            layer.quantize_tables_(dtype)
+        self.config.table_dtype = dtype
+        if lm_head is not None:
+            self.quantize_lm_head(lm_head)
+        if self._inference_only_parts():
+            self.eval()
+        return self
+
+    @torch.no_grad()
+    def quantize_lm_head(self, dtype: str):
+        """Store the LM head as "int8" (per-row symmetric, float32 scales; inference only) or "bf16"; returns the
+        model. Recorded in the config (`lm_head_dtype`)."""
+        dtype = canonical_storage_dtype(dtype, "lm_head")
+        head = self.get_output_embeddings() if hasattr(self, "lm_head") else None
+        if dtype is None or head is None:
+            raise ValueError(
+                "quantize_lm_head needs 'int8' or 'bf16' and a model with an LM head (MemoryFormerForCausalLM); "
+                f"got {dtype!r} for a {type(self).__name__}."
+            )
+        if self.config.tie_word_embeddings:
+            raise ValueError(
+                "This model ties its LM head to the input embedding (tie_word_embeddings=True): the head has no weight "
+                "of its own to quantise. Quantise only the tables (lm_head=None)."
+            )
+        if dtype == self.config.lm_head_dtype:
+            return self
+        if isinstance(head, Int8LMHead):
+            raise ValueError(
+                f"The LM head is int8 already; storing it as {dtype} would round it twice. Quantise the float32 model "
+                "instead, or call model.dequantize_tables() first."
+            )
+        if type(head) is not MemoryFormerLMHead:
+            raise ValueError(
+                f"The LM head is a {type(head).__name__}, not this model's MemoryFormerLMHead (e.g. wrapped by PEFT): "
+                "merge or unload the adapter first."
+            )
+        if dtype == "int8":
+            self.lm_head = Int8LMHead.from_weight(head.weight)
+            self.lm_head.eval()
+        else:
+            head.weight = nn.Parameter(head.weight.to(torch.bfloat16), requires_grad=head.weight.requires_grad)
+        self.config.lm_head_dtype = dtype
+        return self
+
+    @torch.no_grad()
+    def dequantize_tables(self, dtype: torch.dtype = torch.float32):
+        """Undo `quantize_tables` / `quantize_lm_head`: tables and LM head back to trainable `dtype` parameters holding
+        the stored values (int8: codes * scale + offset, rounding error included); returns the model."""
+        for layer in self.modules():
+            if isinstance(layer, MemoryLayer):
+                layer.dequantize_tables_(dtype)
+        self.config.table_dtype = None
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, Int8LMHead):
+            self.lm_head = MemoryFormerLMHead(head.in_features, head.out_features, bias=False,
+                                              device=head.weight_int8.device, dtype=dtype)
+            self.lm_head.weight.copy_(head.dequantized_weight())
+        elif isinstance(head, MemoryFormerLMHead) and head.weight.dtype != dtype:
+            head.weight = nn.Parameter(head.weight.to(dtype))
+        self.config.lm_head_dtype = None
+        return self
+
+    def _inference_only_parts(self) -> str | None:
+        """What stops this model from training ("int8 tables", "an int8 LM head"), or None."""
+        parts = []
+        if any(isinstance(m, MemoryLayer) and m.table_dtype == "int8" for m in self.modules()):
+            parts.append("int8 tables")
+        if any(isinstance(m, Int8LMHead) for m in self.modules()):
+            parts.append("an int8 LM head")
+        return " and ".join(parts) or None
+
+    def train(self, mode: bool = True):
+        if mode and (parts := self._inference_only_parts()):
+            raise RuntimeError(training_refusal(parts))  # before any submodule changes its mode
+        return super().train(mode)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
+        # int8 tables are views of one block per layer (quantization.py): the checkpoint gets their separate copies.
+        if kwargs.get("state_dict") is None and not args and self.config.table_dtype == "int8":
+            state_dict = self.state_dict()
+            kwargs["state_dict"] = {name: t if t.is_contiguous() else t.contiguous() for name, t in state_dict.items()}
         # transformers writes an `auto_map` entry only for the class being saved; write all three so that AutoConfig,
         # AutoModel and AutoModelForCausalLM each load the folder with trust_remote_code=True.
         if self._auto_class is not None:
@@ -476,10 +693,21 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
 
 class MemoryFormerLMHead(nn.Linear):
     """The LM head: an `nn.Linear` (same parameters, hooks, PEFT and quantisation as one) whose forward reads the
-    weight with the fused few-row pass while decoding (`memory_ops.few_rows_linear`), where BLAS's GEMV is slow."""
+    weight with the fused few-row pass while decoding (`memory_ops.few_rows_linear`), where BLAS's GEMV is slow.
+    A bfloat16 weight (`lm_head_dtype="bfloat16"`) in a wider model runs bfloat16 products summed in float32."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16 and hidden_states.dtype != torch.bfloat16:
+            return bf16_linear(hidden_states, self.weight, self.bias)
         return few_rows_linear(hidden_states, self.weight, self.bias)
+
+
+def build_lm_head(config: MemoryFormerConfig) -> nn.Module:
+    """The LM head in the storage `config.lm_head_dtype` asks for: float (the model's dtype), bfloat16 or int8."""
+    if config.lm_head_dtype == "int8":
+        return Int8LMHead(config.hidden_size, config.vocab_size)
+    dtype = torch.bfloat16 if config.lm_head_dtype == "bfloat16" else None
+    return MemoryFormerLMHead(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
 
 class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
@@ -489,7 +717,7 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = MemoryFormerModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = MemoryFormerLMHead(config.hidden_size, config.vocab_size, bias=False)  # the only dense layer
+        self.lm_head = build_lm_head(config)  # the only dense layer
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:

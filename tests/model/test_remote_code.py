@@ -26,7 +26,10 @@ from conftest import tiny_model
 PACKAGE_DIR = Path(modeling_memoryformer.__file__).parent
 # The model unit: what save_pretrained copies next to the weights, and all that stands at the package's top level
 # (besides __init__.py and the C++ in csrc/, which travels as memory_kernel_source.py).
-MODEL_FILES = ["configuration_memoryformer.py", "memory_kernel_source.py", "memory_ops.py", "modeling_memoryformer.py"]
+MODEL_FILES = [
+    "configuration_memoryformer.py", "memory_kernel_source.py", "memory_ops.py", "modeling_memoryformer.py",
+    "quantization.py",
+]
 SAVED_FILES = ["config.json", "generation_config.json", "model.safetensors", *MODEL_FILES]
 # config.json, generation_config.json and model.safetensors of a tiny model saved by release 0.1.0 (git 0630197), and
 # its logits on fixed input ids (expected.safetensors). Its copies of the model files are not kept here.

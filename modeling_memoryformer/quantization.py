@@ -1,0 +1,281 @@
+"""Hash tables and the LM head stored narrower than float32, for inference: int8 with a scale and an offset per row,
+or bfloat16; every sum is accumulated in float32.
+
+A MemoryFormer's tables are most of its bytes (paper Table 1: 138 MB of fp16 tables per MF-tiny block against 6.3 MB
+of Pythia-70M weights), and decoding reads one row per table and token, so it is bound by memory traffic: narrower
+rows are less memory and less time.
+
+int8 tables use FBGEMM's 8-bit row-wise layout, the one `torch.ops.quantized.embedding_bag_byte_prepack` writes and
+`torch.ops.quantized.embedding_bag_byte_rowwise_offsets` reads: each row of d values v is stored as d codes
+q = round((v - min) / scale) in 0..255, then its float32 scale = (max - min) / 255 and offset = min, so that
+
+    v ~ q * scale + offset                                               (row-wise affine dequantisation)
+
+and a Memory Layer's output is y = sum_k p(z_k) * (q_k * scale_k + offset_k) + b (paper eq. hash_proj), summed in
+float32. A layer keeps three tensors, `tables_codes` uint8 [R, d], `tables_scale` and `tables_offset` float32 [R]; on
+the CPU they are views of one [R, d + 8] block in that layout, so the PyTorch op reads them without a copy. On any
+other device, or while that block is not assembled, the rows are dequantised by the formula above (the PyTorch path
+every device runs).
+
+The int8 LM head is per-row symmetric: `weight_int8` int8 [V, d] and `weight_scale` float32 [V], W ~ q * scale. On the
+CPU it runs PyTorch's dynamically quantised linear (`torch.ops.quantized.linear_dynamic`, FBGEMM: the activations are
+quantised per call, the products summed in int32); elsewhere, `F.linear` on the dequantised weight.
+
+Quantised parts are for inference: they have no gradient, a backward pass through them raises, and the model refuses
+`train()`; `dequantize_tables()` gives float32 tables (with the rounding of the int8 values) to train again.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .memory_ops import _use_fused, hash_codes, hash_scores, table_rows
+
+
+INT8_ROW_BYTES = 8  # the float32 scale and offset after each row's codes
+
+
+def training_refusal(what: str) -> str:
+    """The error message of every refused training step."""
+    return (
+        f"This MemoryFormer holds {what} (inference only): int8 values have no gradients and no optimizer can update "
+        "them. To train, load the float32 model, or call model.dequantize_tables() first (float32 tables and "
+        "head holding the int8 values, rounding error included)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# int8 tables: quantise, assemble, dequantise
+
+
+def quantize_int8_rows(tables: torch.Tensor) -> torch.Tensor:
+    """[R, d] floating tables -> uint8 [R, d + 8] in FBGEMM's row-wise layout (codes, float32 scale, float32 offset),
+    on the tables' device. The rounding is PyTorch's own (`embedding_bag_byte_prepack`, a CPU op)."""
+    packed = torch.ops.quantized.embedding_bag_byte_prepack(tables.detach().to("cpu", torch.float32).contiguous())
+    return packed.to(tables.device)
+
+
+def int8_views(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [R, d], scale float32 [R], offset float32 [R]): views of a [R, d + 8] block, no copy."""
+    d = packed.shape[1] - INT8_ROW_BYTES
+    if d % 4:  # a float32 view needs 4-byte aligned rows
+        raise ValueError(f"int8 tables need a row width that is a multiple of 4, got {d}.")
+    codes = packed[:, :d]
+    scale = packed[:, d : d + 4].view(torch.float32)[:, 0]
+    offset = packed[:, d + 4 :].view(torch.float32)[:, 0]
+    return codes, scale, offset
+
+
+def assemble_int8(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The [R, d + 8] block of `int8_views` from three separate tensors (e.g. as loaded from a checkpoint)."""
+    rows, d = codes.shape
+    packed = torch.empty(rows, d + INT8_ROW_BYTES, dtype=torch.uint8, device=codes.device)
+    packed_codes, packed_scale, packed_offset = int8_views(packed)
+    packed_codes.copy_(codes)
+    packed_scale.copy_(scale)
+    packed_offset.copy_(offset)
+    return packed
+
+
+def int8_block(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
+    """The [R, d + 8] uint8 block the three tensors are views of, or None when they are not (separate tensors, another
+    dtype for the scales, another device...)."""
+    if codes.dtype != torch.uint8 or scale.dtype != torch.float32 or offset.dtype != torch.float32:
+        return None
+    rows, d = codes.shape
+    width = d + INT8_ROW_BYTES
+    storage = codes.untyped_storage()
+    if (
+        codes.stride() != (width, 1)
+        or scale.stride() != (width // 4,)
+        or offset.stride() != (width // 4,)
+        or scale.untyped_storage().data_ptr() != storage.data_ptr()
+        or offset.untyped_storage().data_ptr() != storage.data_ptr()
+        or scale.data_ptr() != codes.data_ptr() + d
+        or offset.data_ptr() != codes.data_ptr() + d + 4
+    ):
+        return None
+    block = torch.empty(0, dtype=torch.uint8, device=codes.device)
+    return block.set_(storage, codes.storage_offset(), (rows, width), (width, 1))
+
+
+def dequantize_int8(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q * scale + offset in float32: the whole table, or the rows `rows` ([..., ] -> [..., d])."""
+    if rows is not None:
+        codes, scale, offset = codes[rows], scale[rows], offset[rows]
+    return codes.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1) + offset.to(torch.float32).unsqueeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# int8 tables: the lookup
+
+
+class _NoGradient(torch.autograd.Function):
+    """Identity forward; a backward pass raises `message` (quantised tables and heads cannot be trained)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, message: str, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.message = message
+        return y.view_as(y)  # y arrives detached: the graph starts here
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+def refuse_backward(y: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], what: str) -> torch.Tensor:
+    """y, made to raise a clear error in backward when autograd records it (any of `inputs` requires grad)."""
+    recorded = [t for t in inputs if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and recorded:  # the inputs make the output require grad, whatever path computed y
+        return _NoGradient.apply(y.detach(), training_refusal(what), *recorded)
+    return y
+
+
+def int8_lookup(
+    rows: torch.Tensor,
+    scores: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """sum_k scores[..., k] * (codes * scale + offset)[rows[..., k]] (+ bias), summed in float32, returned in `dtype`.
+
+    rows, scores: [..., K] (rows index the [R, d] table directly) -> [..., d]. On the CPU with the tables assembled
+    (`int8_block`), PyTorch's 8-bit row-wise embedding bag (FBGEMM) reads the codes and dequantises in registers;
+    otherwise the rows are dequantised in PyTorch: the K rows of every token, or the whole table when that is smaller.
+    """
+    lead, num_tables = rows.shape[:-1], rows.shape[-1]
+    flat_rows = rows.reshape(-1, num_tables)
+    weights = scores.reshape(-1, num_tables).to(torch.float32)
+    block = int8_block(codes, scale, offset) if codes.device.type == "cpu" else None
+    if block is not None:
+        tokens = flat_rows.shape[0]
+        y = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+            block,
+            flat_rows.reshape(-1),
+            torch.arange(0, tokens * num_tables, num_tables, device=rows.device),
+            False,
+            0,  # mode: sum
+            False,
+            weights.detach().reshape(-1).contiguous(),
+            None,
+            False,
+        )
+    elif flat_rows.numel() < codes.shape[0]:  # fewer rows to read than the table holds: dequantise just those
+        y = (weights.unsqueeze(-1) * dequantize_int8(codes, scale, offset, flat_rows)).sum(-2)
+    else:
+        y = F.embedding_bag(flat_rows, dequantize_int8(codes, scale, offset), per_sample_weights=weights, mode="sum")
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    y = refuse_backward(y.to(dtype), (scores, bias), "int8 tables")
+    return y.reshape(*lead, codes.shape[1])
+
+
+def int8_memory_lookup(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bias: torch.Tensor | None,
+    hash_bits: int,
+    score: str = "paper",
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The Memory Layer on int8 tables: x [..., K * tau] -> [..., d] in x's dtype (`memory_ops.memory_lookup` with
+    the rows dequantised). Hashing and scoring as the float path: the fused kernel's pass on the CPU when it is in
+    use, the PyTorch formulation otherwise."""
+    if x.device.type == "cpu" and _use_fused(x):
+        rows, scores = torch.ops.memoryformer_cpu.hash(
+            x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
+        )
+        rows, scores = rows.view(*x.shape[:-1], -1), scores.view(*x.shape[:-1], -1)
+    else:
+        rows = table_rows(hash_codes(x, hash_bits), hash_bits)
+        scores = hash_scores(x, hash_bits, score, temperature)
+    return int8_lookup(rows, scores, codes, scale, offset, bias, x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The LM head
+
+
+class Int8LMHead(nn.Module):
+    """An LM head [V, d] stored as int8 with a float32 scale per row (symmetric: W ~ weight_int8 * weight_scale), for
+    inference. CPU: PyTorch's dynamically quantised linear (FBGEMM, prepacked once per process and kept beside the int8
+    weight); other devices: `F.linear` on the dequantised weight. Output in the input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self._prepacked = None  # (the int8 tensor it was packed from, FBGEMM's packed weight)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> Int8LMHead:
+        """Quantise a [V, d] weight: scale = max |row| / 127, q = round(w / scale) in -127..127."""
+        head = cls(weight.shape[1], weight.shape[0], device=weight.device)
+        w = weight.detach().to(torch.float32)
+        scale = w.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale, codes 0
+        head.weight_int8.copy_(torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8))
+        head.weight_scale.copy_(scale)
+        return head
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_int8.to(torch.float32) * self.weight_scale.to(torch.float32).unsqueeze(1)
+
+    def _fbgemm_weight(self):
+        """FBGEMM's prepacked weight for `linear_dynamic`, rebuilt when the int8 tensor changed; None when the op is not
+        there. The quantised tensor it is made from is created by an API PyTorch marks deprecated (its warning is
+        silenced here); without it the head dequantises."""
+        if self._prepacked is not None and self._prepacked[0] is self.weight_int8:
+            return self._prepacked[1]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantized = torch._make_per_channel_quantized_tensor(
+                    self.weight_int8, self.weight_scale.to(torch.float64),
+                    torch.zeros(self.out_features, dtype=torch.long), 0,
+                )
+                packed = torch.ops.quantized.linear_prepack(quantized, None)
+        except (AttributeError, RuntimeError):
+            packed = None
+        self._prepacked = (self.weight_int8, packed)
+        return packed
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        packed = None
+        if hidden_states.device.type == "cpu" and self.weight_int8.device.type == "cpu":
+            packed = self._fbgemm_weight()
+        if packed is not None:
+            x = hidden_states.to(torch.float32)
+            y = torch.ops.quantized.linear_dynamic(x.detach().reshape(-1, self.in_features).contiguous(), packed, True)
+            y = y.view(*hidden_states.shape[:-1], self.out_features)
+        else:
+            y = F.linear(hidden_states.to(torch.float32), self.dequantized_weight())
+        return refuse_backward(y.to(hidden_states.dtype), (hidden_states,), "an int8 LM head")
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError(training_refusal("an int8 LM head"))
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype=int8 (row-wise symmetric)"
+
+
+def bf16_linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bfloat16 weight applied to an input of any dtype: the input rounded to bfloat16, the products summed in float32
+    by the backend's bfloat16 GEMM, the result returned in the input's dtype."""
+    y = F.linear(hidden_states.to(torch.bfloat16), weight, None if bias is None else bias.to(torch.bfloat16))
+    return y.to(hidden_states.dtype)

@@ -157,14 +157,22 @@ class MemoryLayer(nn.Module):
                 self._buffers[name] = value
             else:
                 self.register_buffer(name, value)
+        self._int8_block = (codes, scale, offset, packed)
 
-    def _int8_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, scale, offset). On the CPU, three separate tensors (as `from_pretrained` or `.to()` leave them) are
-        first assembled into one block, once, so that the embedding bag reads them in place."""
+    def _int8_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes, scale, offset, the block they are views of or None). On the CPU, three separate tensors (as
+        `from_pretrained` or `.to()` leave them) are first assembled into one block, once, so that the embedding bag
+        reads them in place. The block is remembered with the three tensors it was made for: a cheap check per call."""
         codes, scale, offset = self.tables_codes, self.tables_scale, self.tables_offset
-        if codes.device.type == "cpu" and not torch.compiler.is_compiling() and int8_block(codes, scale, offset) is None:
+        known = getattr(self, "_int8_block", None)
+        if known is not None and known[0] is codes and known[1] is scale and known[2] is offset:
+            return codes, scale, offset, known[3]
+        block = int8_block(codes, scale, offset) if codes.device.type == "cpu" else None
+        if block is None and codes.device.type == "cpu" and not torch.compiler.is_compiling():
             self._set_int8(assemble_int8(codes, scale, offset))
-        return self.tables_codes, self.tables_scale, self.tables_offset
+            return self._int8_tables()
+        self._int8_block = (codes, scale, offset, block)
+        return codes, scale, offset, block
 
     @torch.no_grad()
     def quantize_tables_(self, dtype: str) -> "MemoryLayer":
@@ -198,11 +206,16 @@ class MemoryLayer(nn.Module):
             tables = dequantize_int8(self.tables_codes, self.tables_scale, self.tables_offset).to(dtype)
             for name in ("tables_codes", "tables_scale", "tables_offset"):
                 del self._buffers[name]
+            self._int8_block = None
             self.tables = nn.Parameter(tables)
         elif self.tables is not None:
             self.tables = nn.Parameter(self.tables.to(dtype))
         self.table_dtype = None
         return self
+
+    def _apply(self, fn, recurse: bool = True):
+        self._int8_block = None  # `.to()`, `.float()`...: forget the block, which may hold the old tensors alive
+        return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True):
         if mode and self.table_dtype == "int8":
@@ -237,8 +250,9 @@ class MemoryLayer(nn.Module):
                 raise ValueError("MemoryLayer needs an input x or a precomputed `hashed=(rows, scores)`.")
             self._check_input(x)
             if self.table_dtype == "int8":
-                return int8_memory_lookup(x, *self._int8_tables(), self.bias, self.hash_bits, self.score,
-                                          self.temperature)
+                codes, scale, offset, block = self._int8_tables()
+                return int8_memory_lookup(x, codes, scale, offset, self.bias, self.hash_bits, self.score,
+                                          self.temperature, block)
             return memory_lookup(x, self.tables, self.bias, self.hash_bits, self.score, self.temperature)
         rows, scores = hashed
         if rows.shape[-1] != self.num_tables:
@@ -247,7 +261,8 @@ class MemoryLayer(nn.Module):
                 "hash only between Memory Layers of the same in_features and hash_bits."
             )
         if self.table_dtype == "int8":
-            return int8_lookup(rows, scores, *self._int8_tables(), self.bias, scores.dtype)
+            codes, scale, offset, block = self._int8_tables()
+            return int8_lookup(rows, scores, codes, scale, offset, self.bias, scores.dtype, block)
         return memory_lookup_hashed(rows, scores, self.tables, self.bias)
 
     def extra_repr(self) -> str:
@@ -603,6 +618,16 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
         return super().train(mode)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
+        # A model sharded by FSDP2 has a class made at run time in torch's module (FSDPMemoryFormerForCausalLM): it is
+        # saved as the MemoryFormer class it extends, so that the remote code and auto_map name these files.
+        cls = type(self)
+        plain = next(c for c in cls.__mro__ if c.__module__ == __name__)
+        if plain is not cls:
+            self.__class__ = plain
+            try:
+                return self.save_pretrained(save_directory, *args, **kwargs)
+            finally:
+                self.__class__ = cls
         # int8 tables are views of one block per layer (quantization.py): the checkpoint gets their separate copies.
         if kwargs.get("state_dict") is None and not args and self.config.table_dtype == "int8":
             state_dict = self.state_dict()

@@ -145,27 +145,29 @@ def int8_lookup(
     offset: torch.Tensor,
     bias: torch.Tensor | None,
     dtype: torch.dtype,
+    block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k scores[..., k] * (codes * scale + offset)[rows[..., k]] (+ bias), summed in float32, returned in `dtype`.
 
     rows, scores: [..., K] (rows index the [R, d] table directly) -> [..., d]. On the CPU with the tables assembled
-    (`int8_block`), PyTorch's 8-bit row-wise embedding bag (FBGEMM) reads the codes and dequantises in registers;
-    otherwise the rows are dequantised in PyTorch: the K rows of every token, or the whole table when that is smaller.
+    (`block`, found by `int8_block` when not given), PyTorch's 8-bit row-wise embedding bag (FBGEMM) reads the codes
+    and dequantises in registers; otherwise the rows are dequantised in PyTorch: the K rows of every token, or the
+    whole table when that is smaller.
     """
     lead, num_tables = rows.shape[:-1], rows.shape[-1]
     flat_rows = rows.reshape(-1, num_tables)
     weights = scores.reshape(-1, num_tables).to(torch.float32)
-    block = int8_block(codes, scale, offset) if codes.device.type == "cpu" else None
+    if block is None and codes.device.type == "cpu":
+        block = int8_block(codes, scale, offset)
     if block is not None:
-        tokens = flat_rows.shape[0]
         y = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
             block,
-            flat_rows.reshape(-1),
-            torch.arange(0, tokens * num_tables, num_tables, device=rows.device),
+            flat_rows,  # [tokens, K]: one bag of K rows per token
+            None,
             False,
             0,  # mode: sum
             False,
-            weights.detach().reshape(-1).contiguous(),
+            weights.detach(),
             None,
             False,
         )
@@ -174,7 +176,7 @@ def int8_lookup(
     else:
         y = F.embedding_bag(flat_rows, dequantize_int8(codes, scale, offset), per_sample_weights=weights, mode="sum")
     if bias is not None:
-        y = y + bias.to(torch.float32)
+        y = y.add_(bias) if block is not None else y + bias.to(torch.float32)
     y = refuse_backward(y.to(dtype), (scores, bias), "int8 tables")
     return y.reshape(*lead, codes.shape[1])
 
@@ -188,6 +190,7 @@ def int8_memory_lookup(
     hash_bits: int,
     score: str = "paper",
     temperature: float = 1.0,
+    block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Memory Layer on int8 tables: x [..., K * tau] -> [..., d] in x's dtype (`memory_ops.memory_lookup` with
     the rows dequantised). Hashing and scoring as the float path: the fused kernel's pass on the CPU when it is in
@@ -200,7 +203,7 @@ def int8_memory_lookup(
     else:
         rows = table_rows(hash_codes(x, hash_bits), hash_bits)
         scores = hash_scores(x, hash_bits, score, temperature)
-    return int8_lookup(rows, scores, codes, scale, offset, bias, x.dtype)
+    return int8_lookup(rows, scores, codes, scale, offset, bias, x.dtype, block)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json", "trainer_state.json")
 OPTIMIZER_FILE = "optimizer.pt"
+FSDP_OPTIMIZER_FILE = "optimizer.bin"
 SCHEDULER_FILE = "scheduler.pt"
 
 
@@ -161,7 +162,10 @@ def checkpoint_problems(folder: str, require_marker: bool = True, partial: bool 
         check("pytorch_model.bin", _torch_archive_problem)
     else:
         check("model.safetensors", _safetensors_problem)
-    for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
+    # an FSDP run (full state dicts) writes its optimizer state as accelerate's optimizer.bin
+    optimizer = FSDP_OPTIMIZER_FILE if not os.path.exists(os.path.join(folder, OPTIMIZER_FILE)) and os.path.exists(
+        os.path.join(folder, FSDP_OPTIMIZER_FILE)) else OPTIMIZER_FILE
+    for name in (optimizer, SCHEDULER_FILE):
         if partial and not os.path.exists(os.path.join(folder, name)):
             continue
         check(name, _torch_archive_problem)

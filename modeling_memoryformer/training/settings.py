@@ -107,6 +107,9 @@ class TrainingSettings:
         "adamw", "optimizer of the Memory Layer tables: adamw (like every parameter), rowwise_adagrad (4 bytes of "
         "state per row) or adam_rowwise (a first moment and a row-wise second one), the last two applied in the "
         "backward pass; one process, no --grad-accum", choices=TABLE_OPTIMIZERS)
+    fsdp: bool = option(
+        False, "shard the model over the processes (torchrun / accelerate launch) with PyTorch FSDP2: each rank holds "
+        "1/N of every table, its gradient and its AdamW state; AdamW tables only")
     save_final_model: bool = option(True, cli=False)
     progress: bool = option(True, "no progress bars", flag="--no-progress")
     extra_arguments: dict = option({}, cli=False)  # any other TrainingArguments field
@@ -135,6 +138,12 @@ class TrainingSettings:
             raise ValueError(f"adam_epsilon must be > 0, got {self.adam_epsilon}.")
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}.")
+        if self.fsdp and self.table_optimizer != "adamw":
+            raise ValueError(
+                f"fsdp=True and table_optimizer={self.table_optimizer!r} do not compose: the table rule updates each table "
+                "from its whole gradient in the backward pass, and FSDP2 hands every rank only its reduce-scattered "
+                "shard after it. Use table_optimizer='adamw' with fsdp, or the table rule on one process."
+            )
         check_table_optimizer_setup(self.table_optimizer, self.gradient_accumulation_steps,
                                     int(os.environ.get("WORLD_SIZE", "1")))
         check_output_dir(self.output_dir, "output_dir")

@@ -99,6 +99,19 @@ class MemoryFormerTrainer(Trainer):
 
     table_optimizer = "adamw"  # set by build_trainer; a row-wise rule trains the tables in the backward pass
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.is_fsdp_enabled:  # on gloo, FSDP2's gradients are reduced with SUM, never AVG (see below)
+            self.add_callback(_GlooSumReductions())
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # FSDP asked for (args.fsdp, or accelerate launch --use_fsdp) shards on CPU too, where accelerate alone would
+        # fall back to DDP (integrations.distributed.enable_fsdp_on_cpu).
+        from ..integrations.distributed import enable_fsdp_on_cpu
+
+        super().create_accelerator_and_postprocess()
+        enable_fsdp_on_cpu(self)
+
     def create_optimizer(self, model=None):
         """AdamW (the Trainer's own) or, with a table rule, `TableAdamW`: the same AdamW on the dense parameters and
         the rule on the Memory Layer tables, applied in the backward pass (see training.table_optimizer)."""
@@ -133,6 +146,15 @@ class MemoryFormerTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save and os.path.isdir(folder):
             write_complete_marker(folder, self.state.global_step)
+
+
+class _GlooSumReductions(TrainerCallback):
+    """Once the Trainer has sharded the model: SUM (not AVG) gradient reductions on gloo."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from ..integrations.distributed import sum_reductions_on_gloo
+
+        sum_reductions_on_gloo(model)
 
 
 class CSVLogger(TrainerCallback):
@@ -272,6 +294,10 @@ def training_arguments(settings: TrainingSettings, model: nn.Module) -> Training
         disable_tqdm=not settings.progress,
         use_cpu=not torch.cuda.is_available(),
     )
+    if settings.fsdp:
+        from ..integrations.distributed import fsdp_training_arguments
+
+        arguments.update(fsdp_training_arguments())
     arguments.update(settings.extra_arguments)
     return TrainingArguments(**arguments)
 

@@ -30,9 +30,10 @@ def main() -> None:
     ))
     if int(os.environ.get("RANK", "0")) == 0:
         losses = [entry["loss"] for entry in result.log_history if "loss" in entry]
+        grad_norms = {entry["step"]: entry["grad_norm"] for entry in result.log_history if "grad_norm" in entry}
         world = int(os.environ.get("WORLD_SIZE", "1"))
         with open(losses_path, "w") as f:
-            json.dump({"losses": losses, "eval_loss": result.eval_loss, "world_size": world}, f)
+            json.dump({"losses": losses, "grad_norms": grad_norms, "eval_loss": result.eval_loss, "world_size": world}, f)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ def test_ddp_matches_single_process(tmp_path, launcher):
     assert len(one["losses"]) == len(two["losses"]) == 6
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)
+    # the gradients themselves, not only the losses: AdamW with clipping would hide gradients twice too large
+    assert list(two["grad_norms"].values()) == pytest.approx(list(one["grad_norms"].values()), rel=1e-4)
 
 
 def test_fsdp2_sharded_tables_give_the_single_process_gradients(tmp_path):
@@ -82,3 +84,66 @@ def test_shard_model_without_process_group_says_how_to_launch():
     )
     with pytest.raises(RuntimeError, match="torchrun"):
         shard_model(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FSDP2 through the training API (TrainingSettings(fsdp=True), the Trainer, accelerate's FSDP plugin on CPU)
+
+
+def _run_fsdp_worker(tmp_path, name: str, ranks: int, **spec) -> dict:
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fsdp_train_worker.py")
+    spec = {"out": str(tmp_path / name), "result": str(tmp_path / f"{name}.json"), **spec}
+    (tmp_path / f"{name}.spec.json").write_text(json.dumps(spec))
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                 _free_port()] if ranks > 1 else [sys.executable])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([*launcher, worker, str(tmp_path / f"{name}.spec.json")], check=False, capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(open(spec["result"]).read())
+
+
+def test_fsdp_training_matches_one_process_shards_the_tables_and_resumes_exactly(tmp_path):
+    """`TrainingSettings(fsdp=True)` on 2 gloo ranks at 2 sequences each = one process at 4 (float32, relative 1e-4
+    per step); each rank holds half of every table; the final model, saved whole, loads with from_pretrained in
+    one process and equals the single-process one; a run resumed from the sharded checkpoint at step 3 continues the
+    uninterrupted losses exactly, also when gloo's AVG returns the sum (the reported bug, simulated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_model
+
+    start = tmp_path / "start"
+    tiny_model(seed=0, table_init_std=0.02, initializer_range=0.02).save_pretrained(start)  # a one-process model
+    common = {"model": str(start), "max_steps": 6}
+    one = _run_fsdp_worker(tmp_path, "one", 1, batch=4, fsdp=False, **common)
+    two = _run_fsdp_worker(tmp_path, "two", 2, batch=2, fsdp=True, save_steps=3, **common)
+
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert list(two["losses"]) == [str(step) for step in range(1, 7)]
+    assert list(two["losses"].values()) == pytest.approx(list(one["losses"].values()), rel=1e-4)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)
+    # the gradients themselves, not only the losses: AdamW with clipping would hide gradients twice too large
+    assert list(two["grad_norms"].values()) == pytest.approx(list(one["grad_norms"].values()), rel=1e-4)
+    assert two["model_class"].startswith("FSDP") and one["model_class"] == "MemoryFormerForCausalLM"
+    assert two["table_values_held"] == two["table_values"] // 2 and one["table_values_held"] == one["table_values"]
+
+    sharded, single = (AutoModelForCausalLM.from_pretrained(tmp_path / n) for n in ("two", "one"))
+    for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+    resumed = _run_fsdp_worker(tmp_path, "two", 2, batch=2, fsdp=True, resume=str(tmp_path / "two" / "checkpoint-3"),
+                               broken_avg=True, result=str(tmp_path / "resumed.json"), **common)
+    assert list(resumed["losses"]) == [str(step) for step in range(1, 7)]  # 1-3 from the checkpoint's log history
+    assert [resumed["losses"][s] for s in "456"] == [two["losses"][s] for s in "456"]  # bit for bit
+    # with gloo's AVG returning the sum, FSDP's own AVG reduce-scatter would double every gradient (grad norm 2x);
+    # the training reduces with SUM and divides, so the resumed run's gradients are the uninterrupted run's
+    assert [resumed["grad_norms"][s] for s in "456"] == [two["grad_norms"][s] for s in "456"]
+    assert resumed["gloo_avg_is_mean"] is False and two["gloo_avg_is_mean"] in (True, False)
+
+
+def test_fsdp_with_a_table_optimizer_is_refused_with_the_reason(tmp_path):
+    from modeling_memoryformer.training.settings import TrainingSettings
+
+    with pytest.raises(ValueError, match="do not compose.*table_optimizer='adamw'"):
+        TrainingSettings(output_dir=str(tmp_path / "run"), fsdp=True, table_optimizer="rowwise_adagrad")

@@ -23,6 +23,7 @@ version; `gloo_avg_is_mean` probes the installed backend (the tests run it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from torch import nn
@@ -60,7 +61,13 @@ def enable_fsdp_on_cpu(trainer) -> bool:
     from_env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if state.distributed_type != DistributedType.MULTI_CPU or (plugin_args is None and not from_env):
         return False
-    plugin = FullyShardedDataParallelPlugin(**(plugin_args or {}))
+    if plugin_args is None:  # from accelerate launch's FSDP_* variables; what they leave unset is FSDP_CONFIG's
+        plugin_args = {"fsdp_version": int(os.environ.get("FSDP_VERSION", FSDP_CONFIG["version"]))}
+        if "FSDP_AUTO_WRAP_POLICY" not in os.environ:
+            plugin_args["auto_wrap_policy"] = FSDP_CONFIG["auto_wrap_policy"]
+        if "FSDP_STATE_DICT_TYPE" not in os.environ:
+            plugin_args["state_dict_type"] = FSDP_CONFIG["state_dict_type"]
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
     if plugin.fsdp_version != 2:
         raise ValueError("FSDP on CPU needs FSDP2: set fsdp_config['version'] = 2 (or accelerate launch "
                          "--fsdp_version 2); FSDP1 does not run on CPU.")
@@ -73,6 +80,22 @@ def enable_fsdp_on_cpu(trainer) -> bool:
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
     return True
+
+
+@contextlib.contextmanager
+def full_state_dict(trainer):
+    """Within it, an FSDP trainer's `save_model` writes the whole model (safetensors, loadable by `from_pretrained`
+    in one process) whatever state dict type its checkpoints use; the Trainer writes nothing otherwise."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        yield
+        return
+    before = plugin.state_dict_type
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        yield
+    finally:
+        plugin.set_state_dict_type(before)
 
 
 def sum_reductions_on_gloo(model: nn.Module) -> int:
@@ -138,6 +161,7 @@ __all__ = [
     "FSDP_CONFIG",
     "enable_fsdp_on_cpu",
     "fsdp_training_arguments",
+    "full_state_dict",
     "gloo_avg_is_mean",
     "shard_model",
     "sum_reductions_on_gloo",

@@ -410,7 +410,10 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     final = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
     metrics = final[-1] if final else trainer.evaluate()  # the last step may have evaluated already
     if settings.save_final_model:
-        trainer.save_model(settings.output_dir)
+        from ..integrations.distributed import full_state_dict
+
+        with full_state_dict(trainer):  # a sharded run still leaves a model that from_pretrained loads
+            trainer.save_model(settings.output_dir)
         trainer.save_state()
     step_tokens = tokens_per_step(trainer.args, data.block_size)
     return TrainingResult(
@@ -495,6 +498,10 @@ def run_train(settings: TrainingSettings, data_settings: DataSettings, shape: Mo
         for folder in checkpoint_folders(out):
             shutil.rmtree(folder)
     say(schedule_line(settings))
+    if settings.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":  # or accelerate's flag
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        say(f"FSDP2 over {world} process{'es' * (world > 1)}: each holds 1/{world} of every table, its gradient and "
+            "its AdamW state, and gathers one decoder layer at a time")
     result = train(model, data, settings)
     speed = f"{result.train_tokens_per_second:,.0f} training tokens/s; " if result.train_seconds else ""
     say(f"validation loss {result.eval_loss:.4f}, perplexity {result.perplexity:.2f}; {speed}"

@@ -51,6 +51,7 @@ class Holdings(TrainerCallback):
 
     def __init__(self):
         self.local = self.full = 0
+        self.units = []
         self.sharded = None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -63,6 +64,9 @@ class Holdings(TrainerCallback):
                 self.local += (p.to_local() if isinstance(p, DTensor) else p).numel()
                 self.full += p.numel()
         self.sharded = type(model).__name__
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = [name or "root" for name, module in model.named_modules() if isinstance(module, FSDPModule)]
 
 
 def main() -> None:
@@ -70,7 +74,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if spec.get("broken_avg"):
         break_avg()
-    model = AutoModelForCausalLM.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"])  # a model saved by one process
     holdings = Holdings()
     from modeling_memoryformer.training import trainer as trainer_module
 
@@ -92,6 +96,7 @@ def main() -> None:
                 "grad_norms": {e["step"]: e["grad_norm"] for e in result.log_history if "grad_norm" in e},
                 "eval_loss": result.eval_loss,
                 "table_values_held": holdings.local, "table_values": holdings.full, "model_class": holdings.sharded,
+                "fsdp_units": holdings.units,
                 "gloo_avg_is_mean": avg_ok,
             }, f)
 

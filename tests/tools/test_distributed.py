@@ -90,12 +90,13 @@ def test_shard_model_without_process_group_says_how_to_launch():
 # FSDP2 through the training API (TrainingSettings(fsdp=True), the Trainer, accelerate's FSDP plugin on CPU)
 
 
-def _run_fsdp_worker(tmp_path, name: str, ranks: int, **spec) -> dict:
+def _run_fsdp_worker(tmp_path, name: str, ranks: int, launcher: list[str] | None = None, **spec) -> dict:
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fsdp_train_worker.py")
     spec = {"out": str(tmp_path / name), "result": str(tmp_path / f"{name}.json"), **spec}
     (tmp_path / f"{name}.spec.json").write_text(json.dumps(spec))
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                 _free_port()] if ranks > 1 else [sys.executable])
+    if launcher is None:
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                     _free_port()] if ranks > 1 else [sys.executable])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([*launcher, worker, str(tmp_path / f"{name}.spec.json")], check=False, capture_output=True,
                           text=True, env=env, timeout=600)
@@ -147,3 +148,26 @@ def test_fsdp_with_a_table_optimizer_is_refused_with_the_reason(tmp_path):
 
     with pytest.raises(ValueError, match="do not compose.*table_optimizer='adamw'"):
         TrainingSettings(output_dir=str(tmp_path / "run"), fsdp=True, table_optimizer="rowwise_adagrad")
+
+
+def test_accelerate_launch_use_fsdp_shards_on_cpu_and_saves_a_loadable_model(tmp_path):
+    """`accelerate launch --use_fsdp --fsdp_version 2` (its FSDP_* variables, no fsdp in the settings): the Trainer
+    shards on CPU (accelerate alone would train DDP), one FSDP unit per decoder layer, and the final model is written
+    whole although accelerate's default state dict for FSDP2 is sharded."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_model
+
+    start = tmp_path / "start"
+    tiny_model(seed=0).save_pretrained(start)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", _free_port(),
+                "--use_fsdp", "--fsdp_version", "2"]
+    result = _run_fsdp_worker(tmp_path, "acc", 2, launcher=launcher, batch=2, fsdp=False, model=str(start),
+                              max_steps=2)
+    assert result["world_size"] == 2 and result["model_class"].startswith("FSDP")
+    assert result["table_values_held"] == result["table_values"] // 2
+    layers = tiny_model().config.num_hidden_layers
+    assert {"root", *(f"model.layers.{i}" for i in range(layers))} <= set(result["fsdp_units"])  # one per layer
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "acc")
+    assert sum(p.numel() for n, p in saved.named_parameters() if n.endswith("tables")) == result["table_values"]

@@ -246,6 +246,36 @@ void advise_huge_pages(void* p, size_t bytes) {
 #endif
 }
 
+
+// Scratch memory that outlives a call: one set of buffers per thread (the caller's and the pool's workers), grown
+// to the largest request and then reused. A fresh multi-hundred-KB buffer per call costs first-touch page faults
+// (the allocator hands freed blocks of that size back to the OS), and zeroing a std::vector costs a pass over it.
+// Slots name independent buffers of one thread; the contents are undefined on return.
+constexpr int kScratchSlots = 5;   // 0-3: the calling thread's, 4: a worker's (the caller is one of the workers)
+constexpr int kWorkerSlot = 4;
+struct ScratchBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  ~ScratchBuffer() { std::free(ptr); }
+};
+
+void* scratch_bytes(int slot, size_t bytes) {
+  thread_local ScratchBuffer buffers[kScratchSlots];
+  ScratchBuffer& b = buffers[slot];
+  const size_t want = (std::max<size_t>(1, bytes) + 63) / 64 * 64;
+  if (b.bytes < want) {
+    std::free(b.ptr);
+    b.ptr = std::aligned_alloc(64, want);
+    b.bytes = b.ptr ? want : 0;
+    TORCH_CHECK(b.ptr, "memoryformer_cpu: out of memory for ", want, " bytes of scratch");
+  }
+  return b.ptr;
+}
+
+template <typename T> T* scratch(int slot, int64_t count) {
+  return static_cast<T*>(scratch_bytes(slot, size_t(std::max<int64_t>(0, count)) * sizeof(T)));
+}
+
 int64_t threads_for(int64_t work) { return work < kSerialWork ? 1 : at::get_num_threads(); }
 
 template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
@@ -412,21 +442,21 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
 // onto a few cache sets only.
 constexpr int64_t kRowAhead = 12;  // table rows prefetched ahead in the stream
 
-template <typename A> struct Buckets {
-  std::vector<int64_t> start;   // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
-  std::vector<int32_t> token;   // [n * K]: token (chunk-relative) of each position
-  std::vector<A> score;         // [n * K]: its score
+template <typename A> struct Buckets {   // in the calling thread's scratch slots 0-2
+  int64_t* start = nullptr;     // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
+  int32_t* token = nullptr;     // [n * K]: token (chunk-relative) of each position
+  A* score = nullptr;           // [n * K]: its score
 };  // position e belongs to table e / n (see bucket_lookups), so its lookup is (token[e], e / n)
 
 // Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
 template <typename A>
 void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, int64_t P, Buckets<A>& b) {
-  b.start.resize(K * P + 1);
-  b.token.resize(n * K);
-  b.score.resize(n * K);
-  int64_t* st = b.start.data();
-  int32_t* tok = b.token.data();
-  A* sc = b.score.data();
+  b.start = scratch<int64_t>(0, K * P + 1);
+  b.token = scratch<int32_t>(1, n * K);
+  b.score = scratch<A>(2, n * K);
+  int64_t* st = b.start;
+  int32_t* tok = b.token;
+  A* sc = b.score;
   parallel_tokens(K, n * K * 8, [=](int64_t k0, int64_t k1) {
     std::vector<int64_t> fill(P);
     for (int64_t k = k0; k < k1; ++k) {
@@ -502,9 +532,9 @@ void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typ
   using A = typename Acc<T>::type;
   const int64_t ww = W ? W : w;
   std::memset(static_cast<void*>(buf), 0, sizeof(A) * n * ww);
-  const int64_t* st = b.start.data();
-  const int32_t* tok = b.token.data();
-  const A* sc = b.score.data();
+  const int64_t* st = b.start;
+  const int32_t* tok = b.token;
+  const A* sc = b.score;
   for (int64_t r = 0; r < R; ++r) {
     if (r + kRowAhead < R && st[r + kRowAhead] != st[r + kRowAhead + 1])
       prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
@@ -552,9 +582,9 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
                     int64_t c0, int64_t w, bool first) {
   using A = typename Acc<T>::type;
   const int64_t ww = W ? W : w;
-  const int64_t* st = b.start.data();
-  const int32_t* tok = b.token.data();
-  const A* sc = b.score.data();
+  const int64_t* st = b.start;
+  const int32_t* tok = b.token;
+  const A* sc = b.score;
   alignas(64) A zeros[kBlock] = {};
   for (int64_t r = 0; r < R; ++r) {
     const int64_t e0 = st[r], e1 = st[r + 1];
@@ -610,11 +640,11 @@ void lookup_bucketed(const int64_t* rows, const typename Acc<T>::type* scores, c
     bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
     A* o = out + n0 * D;
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<A> buf(n * kBlock);
+      A* buf = scratch<A>(kWorkerSlot, n * kBlock);
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
-        if (w == kBlock) scatter_block<T, kBlock>(b, tables, buf.data(), n, R, D, c0, w);
-        else scatter_block<T, 0>(b, tables, buf.data(), n, R, D, c0, w);
+        if (w == kBlock) scatter_block<T, kBlock>(b, tables, buf, n, R, D, c0, w);
+        else scatter_block<T, 0>(b, tables, buf, n, R, D, c0, w);
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < w; ++j) o[i * D + c0 + j] = buf[i * w + j] + (bias ? to_acc(bias[c0 + j]) : A(0));
       }
@@ -630,30 +660,33 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
   const int64_t R = K * P, nb = num_blocks(D), chunk = bucket_chunk<A>(tuning());
   const int threads = std::max(1, at::get_num_threads());
   Buckets<A> b;
-  std::vector<A> parts;
+  A* parts = nullptr;
   for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += chunk) {
     const int64_t n = std::min(chunk, N - n0);
     bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
     const A* g = gy + n0 * D;
     const int64_t L = n * K;
-    if (kScores) parts.assign(size_t(threads) * L, A(0));
-    A* pp = parts.data();
+    if (kScores) {
+      parts = scratch<A>(3, threads * L);
+      std::fill(parts, parts + threads * L, A(0));
+    }
+    A* pp = parts;
     const bool first = n0 == 0;
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<A> buf(n * kBlock);
+      A* buf = scratch<A>(kWorkerSlot, n * kBlock);
       A* part = kScores ? pp + int64_t(at::get_thread_num()) * L : nullptr;
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
-        for (int64_t i = 0; i < n; ++i) std::memcpy(buf.data() + i * w, g + i * D + c0, sizeof(A) * w);
+        for (int64_t i = 0; i < n; ++i) std::memcpy(buf + i * w, g + i * D + c0, sizeof(A) * w);
         if (w == kBlock)
-          backward_block<T, kBlock, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
+          backward_block<T, kBlock, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
         else
-          backward_block<T, 0, kTables, kScores>(b, tables, buf.data(), grad_tables, part, R, D, c0, w, first);
+          backward_block<T, 0, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
       }
     });
     if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup (token, table)
       A* gs = grad_scores + n0 * K;
-      const int32_t* tok = b.token.data();
+      const int32_t* tok = b.token;
       parallel_tokens(K, L * threads, [=](int64_t k0, int64_t k1) {
         for (int64_t k = k0; k < k1; ++k)
           for (int64_t e = k * n; e < (k + 1) * n; ++e) {
@@ -675,7 +708,8 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 //    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
 // 2. the chunk's tokens add their lookups of the group from the buffer, kTokens tokens at a time with their sums in
 //    registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output after the
-//    last group.
+//    last group, by non-temporal stores (whole 128-byte spans: no read for ownership of the output's lines, which the
+//    table stream would evict from the caches anyway; 5-7% of the lookup at d=512, N=2048 on the AMD EPYC).
 // The phases are not interleaved: interleaved, the stream's misses held the miss buffers that the gathers' L2 hits
 // need, and the kernel ran at the sum of both phases' times or worse. The table is read once per chunk instead of
 // once per lookup. The lookups are regrouped first, per group of tables (an int32 offset into the buffer and the
@@ -731,8 +765,8 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
               "memoryformer_cpu.lookup: a packed group of ", G, " x ", P, " rows is too large for int32 offsets");
   // Group-major lookups: group [g0, g0 + gn) holds, for token n and table g0 + k, at (g0 * N + n * gn + k), the float
   // offset of the row in the group's buffer and the score.
-  std::vector<int32_t> loc(N * K);
-  std::vector<float> sc(N * K);
+  int32_t* loc = scratch<int32_t>(0, N * K);
+  float* sc = scratch<float>(1, N * K);
   parallel_tokens(N, N * K * 4, [&](int64_t n0, int64_t n1) {
     for (int64_t g0 = 0; g0 < K; g0 += G) {
       const int64_t gn = std::min(G, K - g0);
@@ -756,10 +790,7 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
   };
   parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
     const int64_t pack_floats = G * P * kPackCols, acc_floats = chunk_size * kPackCols;
-    std::unique_ptr<float, decltype(&std::free)> buffers(
-        static_cast<float*>(std::aligned_alloc(64, (pack_floats + acc_floats) * sizeof(float))), &std::free);
-    TORCH_CHECK(buffers, "memoryformer_cpu.lookup: out of memory for the packed rows");
-    float* pack = buffers.get();
+    float* pack = scratch<float>(kWorkerSlot, pack_floats + acc_floats);
     float* acc = pack + pack_floats;
     alignas(64) float bias_block[kPackCols];
     for (int64_t u = u0; u < u1; ++u) {
@@ -768,16 +799,16 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
       for (int64_t g0 = 0; g0 < K; g0 += G) {
         const int64_t gn = std::min(G, K - g0);
         copy(pack, g0, gn * P, c0);
-        const int32_t* l = loc.data() + g0 * N + n0 * gn;
-        const float* s = sc.data() + g0 * N + n0 * gn;
+        const int32_t* l = loc + g0 * N + n0 * gn;
+        const float* s = sc + g0 * N + n0 * gn;
         const bool first = g0 == 0;
         int64_t n = 0;
         for (; n + kTokens <= nn; n += kTokens) packed_tokens<kTokens>(l, s, pack, bias_block, acc, n, gn, first);
         for (; n < nn; ++n) packed_tokens<1>(l, s, pack, bias_block, acc, n, gn, first);
       }
-      for (int64_t i = 0; i < nn; ++i)
-        std::memcpy(out + (n0 + i) * D + c0, acc + i * kPackCols, sizeof(float) * kPackCols);
+      for (int64_t i = 0; i < nn; ++i) store_span(out + (n0 + i) * D + c0, acc + i * kPackCols, kPackCols, true);
     }
+    stream_fence();
   });
 }
 
@@ -788,9 +819,17 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
 // freed (optimizer.zero_grad(set_to_none=True)), and the next backward reuses it with its pages already mapped.
 // The tensor is an ordinary one to its users (autograd steals it into .grad as usual). `release_gradient_pool`
 // frees the idle blocks; MEMORYFORMER_GRAD_POOL_MB caps the pool (default 16384, 0 disables it).
-struct PoolBlock { size_t bytes; void* ptr; bool used; };
+// The input gradient of the hash backward ([N, d_in], a few MB, freed as soon as the layer below has used it) comes
+// from the same pool as a *transient* block: glibc hands such blocks back to the OS when they are freed (its heap is
+// trimmed above 2x the mmap threshold), so every backward paid first-touch faults on them again (about 800 faults,
+// 1.2 ms at 1.5 us each, per d=512 layer at 2048 tokens here). Its sizes follow the batch shape, so at most
+// kIdleTransient idle transient blocks are kept (the least recently freed goes first) and a workload of changing
+// shapes cannot pile them up.
+struct PoolBlock { size_t bytes; void* ptr; bool used; bool transient; uint64_t freed_at; };
 std::mutex pool_mutex;
 std::vector<PoolBlock> pool_blocks;
+uint64_t pool_clock = 0;
+constexpr int kIdleTransient = 8;
 
 size_t pool_cap_bytes() {
   static const size_t cap = [] {
@@ -802,11 +841,26 @@ size_t pool_cap_bytes() {
 
 void return_to_pool(void* ptr) {
   std::lock_guard<std::mutex> lock(pool_mutex);
+  bool transient = false;
   for (auto& blk : pool_blocks)
-    if (blk.ptr == ptr) { blk.used = false; return; }
+    if (blk.ptr == ptr) { blk.used = false; blk.freed_at = ++pool_clock; transient = blk.transient; break; }
+  if (!transient) return;
+  for (;;) {   // keep the kIdleTransient most recently freed idle transient blocks
+    int idle = 0;
+    size_t oldest = pool_blocks.size();
+    for (size_t i = 0; i < pool_blocks.size(); ++i) {
+      const PoolBlock& blk = pool_blocks[i];
+      if (!blk.transient || blk.used) continue;
+      ++idle;
+      if (oldest == pool_blocks.size() || blk.freed_at < pool_blocks[oldest].freed_at) oldest = i;
+    }
+    if (idle <= kIdleTransient) return;
+    std::free(pool_blocks[oldest].ptr);
+    pool_blocks.erase(pool_blocks.begin() + int64_t(oldest));
+  }
 }
 
-at::Tensor pooled_empty_like(const at::Tensor& t) {
+at::Tensor pooled_empty_like(const at::Tensor& t, bool transient = false) {
   const size_t huge = size_t(2) << 20;
   const size_t bytes = (t.nbytes() + huge - 1) / huge * huge;
   void* ptr = nullptr;
@@ -815,13 +869,13 @@ at::Tensor pooled_empty_like(const at::Tensor& t) {
     size_t held = 0;
     for (auto& blk : pool_blocks) {
       held += blk.bytes;
-      if (!ptr && !blk.used && blk.bytes == bytes) { blk.used = true; ptr = blk.ptr; }
+      if (!ptr && !blk.used && blk.bytes == bytes && blk.transient == transient) { blk.used = true; ptr = blk.ptr; }
     }
     if (!ptr && held + bytes <= pool_cap_bytes() && bytes > 0) {
       ptr = std::aligned_alloc(huge, bytes);
       if (ptr) {
         advise_huge_pages(ptr, bytes);
-        pool_blocks.push_back({bytes, ptr, true});
+        pool_blocks.push_back({bytes, ptr, true, transient, 0});
       }
     }
   }
@@ -936,7 +990,7 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
               "memoryformer_cpu.hash_backward: grad_scores must be [N, K] = [", N, ", ", K, "] for x of shape ",
               x.sizes(), " and hash_bits ", tau, ", got ", grad_scores.sizes());
   auto gs = grad_scores.to(acc_type(x.scalar_type())).contiguous();
-  auto gx = at::empty_like(x);
+  auto gx = pooled_empty_like(x, /*transient=*/true);   // see "gradient memory"
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "memoryformer_hash_backward", [&] {
     hash_backward_kernel<scalar_t>(gs.data_ptr<typename Acc<scalar_t>::type>(), x.data_ptr<scalar_t>(),
                                    gx.data_ptr<scalar_t>(), N, K, tau, l1, temperature);

@@ -7,10 +7,11 @@ import os
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .memory_ops import check_hash_parameters
+
 
 PRESETS = ("tiny", "small", "base")
 _NORM_TYPES = ("layernorm", "rmsnorm")
-_HASH_SCORES = ("paper", "l1")
 _ATTENTION_OUTPUTS = ("none", "memory")
 _BLOCK_ACTIVATIONS = ("none", "gelu")
 # Storage of the hash tables and of the LM head for inference (see quantization.py): None (the model's dtype,
@@ -24,7 +25,6 @@ _FIXES = {
     "num_hidden_layers": "Use a positive number of blocks, e.g. 6 (MF-tiny).",
     "num_attention_heads": "Use a positive number of heads that divides hidden_size, e.g. 8 (MF-tiny).",
     "max_position_embeddings": "Use the longest sequence length the model is meant for, e.g. 2048.",
-    "hash_temperature": "The paper uses 1.0.",
     "layer_norm_eps": "Use a small positive epsilon such as 1e-5 (the default).",
     "initializer_range": "Use a small positive std such as 0.02 (the default).",
     "table_init_std": "Use a small positive std such as 0.02 (the default).",
@@ -166,17 +166,8 @@ class MemoryFormerConfig(PreTrainedConfig):
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}. {_FIXES[name]}")
         tau = self.hash_bits
-        if not isinstance(tau, int) or isinstance(tau, bool) or not 1 <= tau <= 16:
-            detail = ""
-            if isinstance(tau, int) and not isinstance(tau, bool) and tau > 16:
-                table_bytes = (self.hidden_size // tau or 1) * (2**tau) * self.hidden_size * 4
-                detail = (
-                    f" With hash_bits={tau} one {self.hidden_size} -> {self.hidden_size} Memory Layer would need "
-                    f"{table_bytes:,} bytes of float32 tables."
-                )
-            raise ValueError(
-                f"hash_bits must be an integer in 1..16, got {tau!r}.{detail} The paper uses 8 (tables of 256 rows)."
-            )
+        check_hash_parameters(tau, self.hash_score, self.hash_temperature, width=self.hidden_size,
+                              names=("hash_bits", "hash_score", "hash_temperature"))
         e = self.expand_bits
         if not isinstance(e, int) or isinstance(e, bool) or e < 0 or tau + e > 16:
             raise ValueError(
@@ -211,12 +202,11 @@ class MemoryFormerConfig(PreTrainedConfig):
                 f"Memory Layer of the Memory Block hashes it in chunks of {inner_bits} bits. Use a multiple of "
                 f"{inner_bits}, e.g. the default (hash_bits + expand_bits) * K = {inner_bits * self.num_tables}."
             )
-        for name in ("hash_temperature", "layer_norm_eps", "initializer_range", "table_init_std"):
+        for name in ("layer_norm_eps", "initializer_range", "table_init_std"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or not value > 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}. {_FIXES[name]}")
         enums = {
-            "hash_score": (self.hash_score, _HASH_SCORES),
             "norm_type": (self.norm_type, _NORM_TYPES),
             "attention_output": (self.attention_output, _ATTENTION_OUTPUTS),
             "memory_block_activation": (self.memory_block_activation, _BLOCK_ACTIVATIONS),

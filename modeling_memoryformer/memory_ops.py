@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import platform
 import re
@@ -90,10 +91,30 @@ def release_gradient_memory() -> int:
     return int(torch.ops.memoryformer_cpu.release_gradient_pool())
 
 
+def check_hash_parameters(hash_bits, score="paper", temperature=1.0, names=("hash_bits", "score", "temperature"),
+                          width: int | None = None) -> None:
+    """The one check of a Memory Layer's hashing parameters, for the config (with its field names as `names`), the
+    layer and the ops: tau an integer in 1..16, a known score, a finite temperature > 0. `width`: the model width,
+    to say how large the tables of a too-large tau would be."""
+    bits_name, score_name, temperature_name = names
+    if not isinstance(hash_bits, int) or isinstance(hash_bits, bool) or not 1 <= hash_bits <= 16:
+        detail = ""
+        if width and isinstance(hash_bits, int) and not isinstance(hash_bits, bool) and hash_bits > 16:
+            table_bytes = (width // hash_bits or 1) * (2**hash_bits) * width * 4
+            detail = f" With {bits_name}={hash_bits} one {width} -> {width} Memory Layer would need {table_bytes:,} " \
+                     "bytes of float32 tables."
+        raise ValueError(f"{bits_name} must be an integer in 1..16, got {hash_bits!r}.{detail} The paper uses 8 "
+                         "(tables of 256 rows).")
+    if not isinstance(score, str) or score not in HASH_SCORES:
+        raise ValueError(f"{score_name}={score!r} is not supported; choose one of {', '.join(map(repr, HASH_SCORES))}.")
+    if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature)
+            or not temperature > 0):
+        raise ValueError(f"{temperature_name} must be a finite number > 0, got {temperature!r}. The paper uses 1.0.")
+
+
 def num_tables_for(in_features: int, hash_bits: int) -> int:
-    """K = d_in / tau; raise a ValueError naming the fix when tau does not divide d_in."""
-    if hash_bits < 1:
-        raise ValueError(f"hash_bits must be >= 1, got {hash_bits}.")
+    """K = d_in / tau; raise a ValueError naming the fix when tau is not valid or does not divide d_in."""
+    check_hash_parameters(hash_bits)
     if in_features % hash_bits != 0:
         raise ValueError(
             f"in_features={in_features} is not divisible by hash_bits={hash_bits}: a Memory Layer splits its "
@@ -125,10 +146,7 @@ def hash_scores(x: torch.Tensor, hash_bits: int, score: str = "paper", temperatu
     score="l1":    ||z||_1 * p(z), the authors' training code (unbounded, roughly scale-equivariant).
     Half-precision inputs are scored in float32 and the result cast back.
     """
-    if score not in HASH_SCORES:
-        raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    check_hash_parameters(hash_bits, score, temperature)
     z = _chunks(x, hash_bits)
     compute_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     z_abs = z.to(compute_dtype).abs()
@@ -256,11 +274,8 @@ def memory_lookup(
 
     x: [..., K * tau], tables: [K * 2**tau, d_out], bias: [d_out] or None -> [..., d_out].
     """
+    check_hash_parameters(hash_bits, score, temperature)  # before either path (the fused one scores in C++)
     _check_tables(x, tables, hash_bits)
-    if score not in HASH_SCORES:
-        raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
-    if not temperature > 0:  # as hash_scores says it, before either path (the fused one does not score in Python)
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
     if bias is not None and (bias.shape != tables.shape[-1:] or not bias.is_floating_point()):
         raise ValueError(
             f"bias must be a floating-point vector of out_features={tables.shape[-1]} values (one per table column); "

@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig, canonical_storage_dtype
 from .memory_ops import (
-    HASH_SCORES,
+    check_hash_parameters,
     few_rows_linear,
     hash_codes,
     hash_scores,
@@ -104,14 +104,9 @@ class MemoryLayer(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if not 1 <= hash_bits <= 16:
-            raise ValueError(f"hash_bits must be in 1..16, got {hash_bits}.")
+        check_hash_parameters(hash_bits, score, temperature)
         if out_features <= 0:
             raise ValueError(f"out_features must be positive, got {out_features}.")
-        if score not in HASH_SCORES:
-            raise ValueError(f"score must be one of {HASH_SCORES}, got {score!r}.")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}.")
         self.in_features = in_features
         self.out_features = out_features
         self.hash_bits = hash_bits

@@ -19,8 +19,9 @@ from . import TABLE_OPTIMIZERS
 PRESETS = ("tiny", "small", "base")
 
 
-def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int, world_size: int) -> None:
-    """A ValueError naming the problem and the fix when a table rule cannot run as asked."""
+def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int) -> None:
+    """A ValueError naming the problem and the fix when a table rule cannot run as asked. (Several processes are
+    fine: `TableAdamW` averages each table's gradient over the ranks before its update.)"""
     if rule not in TABLE_OPTIMIZERS:
         raise ValueError(f"table optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, got {rule!r}.")
     if rule == "adamw":
@@ -30,12 +31,6 @@ def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int, wor
             f"--table-optimizer {rule} updates each table in the backward pass, so it cannot accumulate gradients over "
             f"{gradient_accumulation_steps} micro-batches. Use --grad-accum 1 with a larger "
             "--batch-size, or --table-optimizer adamw."
-        )
-    if world_size > 1:
-        raise ValueError(
-            f"--table-optimizer {rule} is not supported with several processes yet ({world_size} here): each rank "
-            "would update the tables with its own gradient before the all-reduce. Train on one process, or use "
-            "--table-optimizer adamw."
         )
 
 
@@ -144,8 +139,7 @@ class TrainingSettings:
                 "from its whole gradient in the backward pass, and FSDP2 hands every rank only its reduce-scattered "
                 "shard after it. Use table_optimizer='adamw' with fsdp, or the table rule on one process."
             )
-        check_table_optimizer_setup(self.table_optimizer, self.gradient_accumulation_steps,
-                                    int(os.environ.get("WORLD_SIZE", "1")))
+        check_table_optimizer_setup(self.table_optimizer, self.gradient_accumulation_steps)
         check_output_dir(self.output_dir, "output_dir")
 
 

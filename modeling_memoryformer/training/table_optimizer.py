@@ -30,8 +30,11 @@ Semantics that differ from AdamW on every parameter, by construction:
   make a large step (at most lr / sqrt(1 - b2) per value for adam_rowwise, lr for the first AdaGrad step).
 - Gradient accumulation over micro-batches would apply an update per micro-batch: refused
   (`check_table_optimizer_setup`); use a larger batch instead.
-- Several processes (DDP) would update the tables with each rank's own gradient before the all-reduce: refused for
-  now, with a message that says so.
+- Several processes (DDP): DDP's reducer would average a table's gradient only after its hook had updated the table
+  with the rank's own gradient, so the tables are kept out of DDP (`exclude_tables_from_ddp`) and each hook averages
+  its table's gradient over the ranks itself (an all-reduce with SUM, then a division: never gloo's AVG, see
+  `integrations.distributed`) before the update. Every rank then applies the same update to the same table, and the
+  run equals one process at the same global batch. One layer's table gradient is held at a time, as in one process.
 """
 
 from __future__ import annotations
@@ -136,6 +139,41 @@ def _store(weight: torch.Tensor, value: torch.Tensor) -> None:
         weight.copy_(value)
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def average_over_ranks(grad: torch.Tensor) -> None:
+    """In place: the mean of `grad` over the processes (SUM all-reduce, then a division; nothing on one process)."""
+    world = _world_size()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        grad.div_(world)
+
+
+def exclude_tables_from_ddp(model: nn.Module) -> list[str]:
+    """Keep the Memory Layer tables out of DistributedDataParallel (which reads `_ddp_params_and_buffers_to_ignore`
+    when it wraps `model`): `TableAdamW` reduces them itself, in its hooks. The tables are broadcast from rank 0
+    once here, since DDP no longer does it for them. Returns their names."""
+    ids = {id(p) for p in table_parameters(model)}
+    names = [name for name, p in model.named_parameters() if id(p) in ids]
+    if _world_size() > 1:
+        import torch.distributed as dist
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted({*getattr(model, "_ddp_params_and_buffers_to_ignore", ()), *names}))
+        with torch.no_grad():
+            for p in table_parameters(model):
+                dist.broadcast(p.data, src=0)
+    return names
+
+
 class TableAdamW(torch.optim.AdamW):
     """AdamW for the dense parameters and a row-wise rule for the Memory Layer tables, applied in the backward pass.
 
@@ -173,6 +211,7 @@ class TableAdamW(torch.optim.AdamW):
             if param.grad is None:
                 return
             with torch.no_grad():
+                average_over_ranks(param.grad)
                 self.update_table(param, param.grad, group)
             param.grad = None
 

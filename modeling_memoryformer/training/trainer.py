@@ -43,7 +43,7 @@ from .settings import (
     TrainingSettings,
     check_table_optimizer_setup,
 )
-from .table_optimizer import TableAdamW, table_param_groups
+from .table_optimizer import TableAdamW, exclude_tables_from_ddp, table_param_groups
 
 # (hidden size, learning rate) of the Pythia suite, smallest first: the dense rate of a model is that of the widest
 # Pythia model not wider than it (models narrower than Pythia-70M take its rate).
@@ -119,7 +119,8 @@ class MemoryFormerTrainer(Trainer):
             return super().create_optimizer(model)
         model = self.model if model is None else model
         args = self.args
-        check_table_optimizer_setup(self.table_optimizer, args.gradient_accumulation_steps, args.world_size)
+        check_table_optimizer_setup(self.table_optimizer, args.gradient_accumulation_steps)
+        exclude_tables_from_ddp(model)  # before accelerate wraps the model in DDP: the rule's hooks reduce them
         groups = table_param_groups(model, self.table_optimizer, args.weight_decay, no_decay_parameter_names(model))
         self.optimizer = TableAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                     eps=args.adam_epsilon, weight_decay=args.weight_decay,

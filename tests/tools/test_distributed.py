@@ -57,6 +57,28 @@ def test_ddp_matches_single_process(tmp_path, launcher):
     assert list(two["grad_norms"].values()) == pytest.approx(list(one["grad_norms"].values()), rel=1e-4)
 
 
+def test_ddp_with_a_table_rule_matches_single_process(tmp_path):
+    """`--table-optimizer adam_rowwise` on 2 DDP ranks: the tables are kept out of DDP and each hook averages its
+    table's gradient over the ranks before the row-wise update, so the run equals one process at the same global
+    batch (and differs from AdamW on the tables: the rule ran)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    worker = os.path.join(here, "_ddp_worker.py")
+    tests, repo = os.path.dirname(here), os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, tests, repo])}
+    subprocess.run([sys.executable, worker, str(tmp_path / "one"), str(tmp_path / "one.json"), "4", "adam_rowwise"],
+                   check=True, env=env, timeout=600)
+    subprocess.run([*LAUNCHERS["torchrun"](_free_port()), worker, str(tmp_path / "two"), str(tmp_path / "two.json"),
+                    "2", "adam_rowwise"], check=True, env=env, timeout=600)
+    subprocess.run([sys.executable, worker, str(tmp_path / "adamw"), str(tmp_path / "adamw.json"), "4"],
+                   check=True, env=env, timeout=600)
+    one, two, adamw = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two", "adamw"))
+    assert two["world_size"] == 2 and len(two["losses"]) == 6
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert list(two["grad_norms"].values()) == pytest.approx(list(one["grad_norms"].values()), rel=1e-4)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)
+    assert one["losses"][1:] != pytest.approx(adamw["losses"][1:], rel=1e-3)
+
+
 def test_fsdp2_sharded_tables_give_the_single_process_gradients(tmp_path):
     """`shard_model` (FSDP2 by `_no_split_modules`) over 2 gloo ranks: every table is split in half across ranks and
     the gradients, gathered, equal a single float64 model's on the whole batch."""

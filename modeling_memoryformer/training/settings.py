@@ -101,7 +101,7 @@ class TrainingSettings:
     table_optimizer: str = option(
         "adamw", "optimizer of the Memory Layer tables: adamw (like every parameter), rowwise_adagrad (4 bytes of "
         "state per row) or adam_rowwise (a first moment and a row-wise second one), the last two applied in the "
-        "backward pass; one process, no --grad-accum", choices=TABLE_OPTIMIZERS)
+        "backward pass (with DDP too); no --grad-accum", choices=TABLE_OPTIMIZERS)
     fsdp: bool = option(
         False, "shard the model over the processes (torchrun / accelerate launch) with PyTorch FSDP2: each rank holds "
         "1/N of every table, its gradient and its AdamW state; AdamW tables only")

@@ -41,7 +41,16 @@ from modeling_memoryformer.training.trainer import (
 DEMO_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, hash_bits=8, expand_bits=2)
 
 
-def run_variant(data, table_optimizer: str, args) -> dict:
+def parse_variant(text: str) -> tuple[str, float]:
+    """"rule" or "rule:multiplier" (the table rule's learning rate over the run's) -> (rule, multiplier)."""
+    name, _, multiplier = text.partition(":")
+    if name not in TABLE_OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(TABLE_OPTIMIZERS)}")
+    return name, float(multiplier) if multiplier else 1.0
+
+
+def run_variant(data, variant: str, args) -> dict:
+    table_optimizer, table_lr_multiplier = parse_variant(variant)
     config = config_for_tokenizer(data.tokenizer, args.preset, DEMO_SHAPE, args.block_size)
     set_seed(args.seed)
     model = MemoryFormerForCausalLM(config)
@@ -50,13 +59,14 @@ def run_variant(data, table_optimizer: str, args) -> dict:
         settings = TrainingSettings(
             output_dir=out, max_steps=args.max_steps, per_device_batch_size=args.batch_size, learning_rate=lr,
             eval_points=args.eval_points, report_to="none", seed=args.seed, table_optimizer=table_optimizer,
-            save_final_model=False,
+            table_lr_multiplier=table_lr_multiplier, save_final_model=False,
         )
         per_step = tokens_per_step(training_arguments(settings, model), args.block_size)
         result = train(model, data, settings)
     curves = loss_curves(result.log_history, per_step)
     return {
-        "table_optimizer": table_optimizer, "learning_rate": lr, "steps": result.steps,
+        "table_optimizer": variant, "learning_rate": lr, "table_learning_rate": lr * table_lr_multiplier,
+        "steps": result.steps,
         "validation_loss": result.eval_loss, "validation_perplexity": result.perplexity,
         "train_tokens_per_second": result.train_tokens_per_second, "curves": curves,
     }
@@ -69,11 +79,12 @@ def write_results(rows: list[dict], description: str, args) -> None:
     base = next((r for r in rows if r["table_optimizer"] == "adamw"), None)
     lines = [f"Data: {description}; {args.max_steps} steps x {args.batch_size} x {args.block_size} tokens, "
              f"seed {args.seed}.", "",
-             "| table optimizer | learning rate | validation loss | validation perplexity | vs AdamW | "
+             "| table optimizer | learning rate (tables) | validation loss | validation perplexity | vs AdamW | "
              "training tokens/s |", "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['validation_perplexity'] / base['validation_perplexity']:.3f}x" if base else "-"
-        lines.append(f"| {r['table_optimizer']} | {r['learning_rate']:g} | {r['validation_loss']:.4f} | "
+        tables = r.get("table_learning_rate", r["learning_rate"])
+        lines.append(f"| {r['table_optimizer']} | {r['learning_rate']:g} ({tables:g}) | {r['validation_loss']:.4f} | "
                      f"{r['validation_perplexity']:.2f} | {ratio} | {r['train_tokens_per_second']:.0f} |")
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
@@ -95,10 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=400, help="the demo's 400 by default")
     parser.add_argument("--eval-points", type=int, default=8)
     parser.add_argument("--lr-multiplier", type=float, default=None, help="default: 3, the paper's rule")
-    parser.add_argument("--optimizers", nargs="+", choices=TABLE_OPTIMIZERS, default=list(TABLE_OPTIMIZERS))
+    parser.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS),
+                        help="table optimizers, each 'rule' or 'rule:multiplier' (its learning rate over the run's, "
+                        "e.g. rowwise_adagrad:3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="experiments/results/table-optimizers")
     args = parser.parse_args(argv)
+    for variant in args.optimizers:
+        try:
+            parse_variant(variant)
+        except (argparse.ArgumentTypeError, ValueError) as error:
+            parser.error(f"--optimizers {variant}: {error}")
 
     data = build_lm_data(args.data, args.tokenizer, block_size=args.block_size, vocab_size=args.vocab_size)
     # one-time costs (first touch of the tables, the kernel's first calls) in a short run of its own, so that the

@@ -102,6 +102,8 @@ class TrainingSettings:
         "adamw", "optimizer of the Memory Layer tables: adamw (like every parameter), rowwise_adagrad (4 bytes of "
         "state per row) or adam_rowwise (a first moment and a row-wise second one), the last two applied in the "
         "backward pass (with DDP too); no --grad-accum", choices=TABLE_OPTIMIZERS)
+    table_lr_multiplier: float = option(
+        1.0, "learning rate of the table rule (--table-optimizer other than adamw) over the run's rate")
     fsdp: bool = option(
         False, "shard the model over the processes (torchrun / accelerate launch) with PyTorch FSDP2: each rank holds "
         "1/N of every table, its gradient and its AdamW state; AdamW tables only")
@@ -133,6 +135,8 @@ class TrainingSettings:
             raise ValueError(f"adam_epsilon must be > 0, got {self.adam_epsilon}.")
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}.")
+        if not self.table_lr_multiplier > 0:
+            raise ValueError(f"table_lr_multiplier must be > 0, got {self.table_lr_multiplier}.")
         if self.fsdp and self.table_optimizer != "adamw":
             raise ValueError(
                 f"fsdp=True and table_optimizer={self.table_optimizer!r} do not compose: the table rule updates each table "

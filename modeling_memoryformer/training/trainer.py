@@ -98,6 +98,7 @@ class MemoryFormerTrainer(Trainer):
         return [name for name, _ in model.named_parameters() if name not in excluded]
 
     table_optimizer = "adamw"  # set by build_trainer; a row-wise rule trains the tables in the backward pass
+    table_lr_multiplier = 1.0  # the rule's learning rate over the run's (set by build_trainer)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -122,6 +123,9 @@ class MemoryFormerTrainer(Trainer):
         check_table_optimizer_setup(self.table_optimizer, args.gradient_accumulation_steps)
         exclude_tables_from_ddp(model)  # before accelerate wraps the model in DDP: the rule's hooks reduce them
         groups = table_param_groups(model, self.table_optimizer, args.weight_decay, no_decay_parameter_names(model))
+        for group in groups:  # the schedule scales every group's own rate, so the ratio holds over the run
+            if group.get("table_rule"):
+                group["lr"] = args.learning_rate * self.table_lr_multiplier
         self.optimizer = TableAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                     eps=args.adam_epsilon, weight_decay=args.weight_decay,
                                     fused=args.optim == "adamw_torch_fused")
@@ -323,6 +327,7 @@ def build_trainer(model: nn.Module, data, settings: TrainingSettings, callbacks=
         callbacks=[*extra, *callbacks],
     )
     trainer.table_optimizer = settings.table_optimizer
+    trainer.table_lr_multiplier = settings.table_lr_multiplier
     return trainer
 
 

@@ -336,3 +336,21 @@ def test_bf16_tables_take_updates_smaller_than_their_step_on_average():
     assert abs(moved - expected) < 0.1 * expected, (moved, expected)
     nearest = torch.ones(512, 64).add_(-1e-4).to(torch.bfloat16)
     assert torch.equal(nearest.float(), torch.ones(512, 64))  # what round to nearest would keep
+
+
+def test_table_lr_multiplier_scales_the_rule_and_the_schedule_keeps_the_ratio(tmp_path):
+    model = tiny_model(seed=0).train()
+    trainer = build_trainer(model, synthetic_lm_data(), settings(
+        tmp_path, table_optimizer="rowwise_adagrad", table_lr_multiplier=4.0, learning_rate=1e-3, warmup_ratio=0.1,
+        max_steps=20))
+    trainer.create_optimizer_and_scheduler(num_training_steps=20)
+    optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+    table_ids = {id(p) for p in table_parameters(model)}
+    for _ in range(7):  # into the cosine part of the schedule
+        optimizer.step()
+        scheduler.step()
+        rates = {("tables" if any(id(p) in table_ids for p in g["params"]) else "dense"): g["lr"]
+                 for g in optimizer.param_groups}
+        assert rates["tables"] == pytest.approx(4.0 * rates["dense"], rel=1e-12) and rates["dense"] > 0
+    with pytest.raises(ValueError, match="table_lr_multiplier must be > 0"):
+        settings(tmp_path, table_optimizer="rowwise_adagrad", table_lr_multiplier=0.0)

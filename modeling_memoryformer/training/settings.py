@@ -192,6 +192,10 @@ class TrainCommandSettings:
         "below)")
     overwrite: bool = option(
         False, "replace an earlier run in --out (its checkpoints are deleted, its model replaced)")
+    table_dtype: str | None = option(
+        None, "store the Memory Layer tables in bfloat16 (half their memory; float32 everywhere else, sums in float32), "
+        "updated by a --table-optimizer rule with stochastic rounding (default: the model's dtype)",
+        choices=("bfloat16",))
 
 
 __all__ = [

@@ -117,6 +117,8 @@ class MemoryFormerTrainer(Trainer):
         """AdamW (the Trainer's own) or, with a table rule, `TableAdamW`: the same AdamW on the dense parameters and
         the rule on the Memory Layer tables, applied in the backward pass (see training.table_optimizer)."""
         if self.table_optimizer == "adamw" or self.optimizer is not None:
+            if self.optimizer is None:
+                check_adamw_tables(self.model if model is None else model)
             return super().create_optimizer(model)
         model = self.model if model is None else model
         args = self.args
@@ -151,6 +153,22 @@ class MemoryFormerTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save and os.path.isdir(folder):
             write_complete_marker(folder, self.state.global_step)
+
+
+def check_adamw_tables(model: nn.Module) -> None:
+    """A ValueError when `model` keeps bfloat16 tables beside float32 parameters and AdamW would train them: AdamW
+    rounds every update to the nearest bfloat16 value, so updates smaller than half a bfloat16 step (most late in a
+    run) are lost; the table rules round stochastically (training.table_optimizer)."""
+    from .table_optimizer import table_parameters
+
+    tables = table_parameters(model)
+    others = [p for p in model.parameters() if p.requires_grad and all(p is not t for t in tables)]
+    if any(t.dtype == torch.bfloat16 for t in tables) and any(p.dtype == torch.float32 for p in others):
+        raise ValueError(
+            "The tables are stored in bfloat16 (table_dtype='bfloat16'), and AdamW would round every table update to "
+            "the nearest bfloat16 value, losing the small ones. Train them with a table rule, which rounds "
+            "stochastically: --table-optimizer rowwise_adagrad or adam_rowwise."
+        )
 
 
 class _GlooSumReductions(TrainerCallback):
@@ -492,8 +510,11 @@ def run_train(settings: TrainingSettings, data_settings: DataSettings, shape: Mo
             raise ValueError(f"The model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                              f"({len(data.tokenizer)}); pass the model's own tokenizer with --tokenizer.")
     else:
-        config = config_for_tokenizer(data.tokenizer, shape.preset, shape.shape(), data_settings.block_size)
+        storage = {"table_dtype": command.table_dtype} if command.table_dtype else {}
+        config = config_for_tokenizer(data.tokenizer, shape.preset, shape.shape(), data_settings.block_size, **storage)
         model = MemoryFormerForCausalLM(config)
+    if command.model and command.table_dtype:
+        model.quantize_tables(command.table_dtype)  # bfloat16 tables stay trainable parameters
     say(f"{data.description}: {data.num_train_tokens:,} training / {data.num_validation_tokens:,} validation "
         f"tokens; {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
         f"lr {settings.learning_rate or default_learning_rate(model, settings.lr_multiplier):g}")

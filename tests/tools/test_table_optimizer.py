@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from _training_data import synthetic_lm_data
-from conftest import require_kernel, tiny_model
-from modeling_memoryformer import memory_ops
+from conftest import require_kernel, tiny_config, tiny_model
+from modeling_memoryformer import MemoryFormerForCausalLM, memory_ops
 from modeling_memoryformer.training.table_optimizer import (
     TableAdamW,
     adam_rowwise_update,
@@ -354,3 +354,22 @@ def test_table_lr_multiplier_scales_the_rule_and_the_schedule_keeps_the_ratio(tm
         assert rates["tables"] == pytest.approx(4.0 * rates["dense"], rel=1e-12) and rates["dense"] > 0
     with pytest.raises(ValueError, match="table_lr_multiplier must be > 0"):
         settings(tmp_path, table_optimizer="rowwise_adagrad", table_lr_multiplier=0.0)
+
+
+def test_bf16_tables_train_with_a_rule_and_adamw_on_them_is_refused(tmp_path):
+    """table_dtype='bfloat16': tables in bfloat16, everything else float32; a table rule trains them (stochastic
+    rounding) as well as float32 tables on the bigram, and AdamW on them is refused with the fix."""
+    data = synthetic_lm_data()
+    losses = {}
+    for dtype in (None, "bfloat16"):
+        torch.manual_seed(0)  # no tiny_model(): its .to(float32) would widen the tables
+        model = MemoryFormerForCausalLM(tiny_config(table_init_std=0.02, table_dtype=dtype)).train()
+        assert {t.dtype for t in table_parameters(model)} == {torch.bfloat16 if dtype else torch.float32}
+        result = train(model, data, settings(tmp_path / str(dtype), table_optimizer="rowwise_adagrad", max_steps=30,
+                                             eval_steps=30, save_steps=None))
+        assert {t.dtype for t in table_parameters(model)} == {torch.bfloat16 if dtype else torch.float32}
+        losses[dtype] = result.eval_loss
+    assert losses["bfloat16"] < 2.0 and abs(losses["bfloat16"] - losses[None]) < 0.1, losses
+    model = MemoryFormerForCausalLM(tiny_config(table_dtype="bfloat16")).train()
+    with pytest.raises(ValueError, match="--table-optimizer rowwise_adagrad or adam_rowwise"):
+        train(model, data, settings(tmp_path / "adamw", table_optimizer="adamw", save_steps=None))

@@ -302,3 +302,32 @@ def test_release_gradient_memory_returns_idle_blocks():
     del grad
     assert memory_ops.release_gradient_memory() >= tables.nbytes  # now it is idle and freed
     assert memory_ops.release_gradient_memory() == 0
+
+
+def test_hash_backward_gradients_from_the_pool_never_alias_and_few_idle_ones_are_kept():
+    """The hash backward's input gradient comes from the gradient pool as a transient block: a block is never handed
+    out while its tensor (or a view of it) is alive, and of the freed ones only the 8 most recently freed are kept, so
+    changing shapes cannot pile up idle memory (the pool rounds blocks up to 2 MB)."""
+    memory_ops.release_gradient_memory()
+    block = 2 << 20
+    g = torch.Generator().manual_seed(6)
+    shapes = [(1000 + 300 * i, 64) for i in range(12)]  # 12 distinct sizes, 1-4 blocks of 2 MB each
+    held, copies = [], []
+    for n, d in shapes:
+        x = torch.randn(n, d, generator=g)
+        grad_scores = torch.randn(n, d // 4, generator=g)
+        gx = ops().hash_backward(grad_scores, x, 4, False, 1.0)
+        held.append(gx[: n // 2])  # a view keeps the block alive
+        copies.append(gx.clone())
+        del gx
+    pointers = {t.data_ptr() for t in held}
+    assert len(pointers) == len(shapes), "a block in use was handed out again"
+    for t, c in zip(held, copies):
+        assert torch.equal(t, c[: t.shape[0]]), "a held gradient was overwritten by a later backward"
+
+    sizes = [-(-n * d * 4 // block) * block for n, d in shapes]
+    del t
+    for i in range(len(held)):
+        held[i] = None  # freed in order: the last 8 stay idle in the pool
+    assert memory_ops.release_gradient_memory() == sum(sizes[-8:])
+    assert memory_ops.release_gradient_memory() == 0

@@ -59,7 +59,7 @@ def run_variant(data, variant: str, args) -> dict:
         settings = TrainingSettings(
             output_dir=out, max_steps=args.max_steps, per_device_batch_size=args.batch_size, learning_rate=lr,
             eval_points=args.eval_points, report_to="none", seed=args.seed, table_optimizer=table_optimizer,
-            table_lr_multiplier=table_lr_multiplier, save_final_model=False,
+            table_lr_multiplier=table_lr_multiplier, max_grad_norm=args.max_grad_norm, save_final_model=False,
         )
         per_step = tokens_per_step(training_arguments(settings, model), args.block_size)
         result = train(model, data, settings)
@@ -78,7 +78,7 @@ def write_results(rows: list[dict], description: str, args) -> None:
         json.dump({"settings": vars(args), "data": description, "rows": rows}, f, indent=2)
     base = next((r for r in rows if r["table_optimizer"] == "adamw"), None)
     lines = [f"Data: {description}; {args.max_steps} steps x {args.batch_size} x {args.block_size} tokens, "
-             f"seed {args.seed}.", "",
+             f"seed {args.seed}, gradient clipping at {args.max_grad_norm:g}.", "",
              "| table optimizer | learning rate (tables) | validation loss | validation perplexity | vs AdamW | "
              "training tokens/s |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS),
                         help="table optimizers, each 'rule' or 'rule:multiplier' (its learning rate over the run's, "
                         "e.g. rowwise_adagrad:3)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="gradient clipping (the recipe's 1.0; it covers the dense parameters only under a table "
+                        "rule; a huge value such as 1e9 turns it off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="experiments/results/table-optimizers")
     args = parser.parse_args(argv)

@@ -16,9 +16,9 @@ Three ways in, one engine (PyTorch's):
 - `shard_model(model)` in a hand-written loop.
 
 The gloo pitfall: FSDP2 reduce-scatters float32 gradients with `ReduceOp.AVG`, and gloo's AVG has been reported to
-return the sum on some versions (PyTorch issue 162338), which would silently double every gradient on 2 ranks.
-`sum_reductions_on_gloo` makes FSDP2 reduce with SUM and divide by the world size itself on gloo, whatever the
-version; `gloo_avg_is_mean` probes the installed backend (the tests run it).
+return the sum on some versions (https://github.com/pytorch/pytorch/issues/162338), which would silently double
+every gradient on 2 ranks. `sum_reductions_on_gloo` makes FSDP2 reduce with SUM and divide by the world size itself
+on gloo, whatever the version; `gloo_avg_is_mean` probes the installed backend (the tests run it).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def gloo_avg_is_mean(group=None) -> bool:
     values = torch.full((3 * world,), float(rank + 1))
     dist.all_reduce(values, op=dist.ReduceOp.AVG, group=group)
     shard = torch.empty(3)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None)  # what FSDP2 calls (torch >= 2.12)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None)  # what FSDP2 calls, where it exists
     if reduce_scatter is None:
         reduce_scatter = dist.reduce_scatter_tensor
     reduce_scatter(shard, torch.full((3 * world,), float(rank + 1)), op=dist.ReduceOp.AVG, group=group)

@@ -33,6 +33,7 @@ from .mapping import (
     dense_layers,
     memoryformer_config_from_gpt_neox,
 )
+from ..evaluation.settings import StorageSettings
 from .settings import ConversionError, ConvertSettings
 
 
@@ -130,9 +131,12 @@ def sample_blocks(blocks: torch.Tensor, max_tokens: int, seed: int) -> torch.Ten
 # The pipeline
 
 
-def convert_pythia(settings: ConvertSettings) -> dict:
-    """Run the conversion and write the output folder; returns the report (also saved as conversion_report.json)."""
+def convert_pythia(settings: ConvertSettings, storage: StorageSettings | None = None) -> dict:
+    """Run the conversion and write the output folder; returns the report (also saved as conversion_report.json).
+    With `storage` (int8 / bf16 tables or LM head), the converted model is stored that way, its held-out perplexity
+    measured again as the stage "stored", and saved so."""
     _, config = check_settings(settings)
+    _check_storage(config, storage)
     teacher, tokenizer = _load_teacher(settings)
     data = _load_data(settings, tokenizer)
     from ..evaluation.kernel_report import run_facts
@@ -145,8 +149,25 @@ def convert_pythia(settings: ConvertSettings) -> dict:
     report["config"] = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
                                                         "hash_bits", "num_tables", "hash_temperature")}
     student = _convert(config, teacher, data, settings, report)
+    if storage is not None and (storage.table_dtype or storage.lm_head_dtype):
+        storage.apply(student)
+        report["storage"] = {"table_dtype": storage.table_dtype, "lm_head_dtype": storage.lm_head_dtype}
+        if data.get("eval") is not None:
+            report["stages"]["stored"] = {"perplexity": blocks_perplexity(student, data["eval"], settings.batch_size,
+                                                                          settings.progress)}
     _write_output(student, tokenizer, report, settings)
     return report
+
+
+def _check_storage(config, storage: StorageSettings | None) -> None:
+    """Refuse, before any work, a storage the converted model cannot take (e.g. int8 rows need a multiple of 4)."""
+    if storage is None or not (storage.table_dtype or storage.lm_head_dtype):
+        return
+    try:
+        type(config).from_dict({**config.to_dict(), "table_dtype": storage.table_dtype,
+                                "lm_head_dtype": storage.lm_head_dtype})
+    except ValueError as error:
+        raise ConversionError(f"--table-dtype / --lm-head-dtype: {error}") from error
 
 
 def _load_teacher(settings: ConvertSettings):
@@ -340,10 +361,10 @@ def plot_layer_errors(report: dict, path: str) -> bool:
 # Command line
 
 
-def run_convert(settings: ConvertSettings) -> int:
+def run_convert(settings: ConvertSettings, storage: StorageSettings | None = None) -> int:
     """`memoryformer convert`: 0 on success, 2 (with the reason on stderr) when the input cannot be converted."""
     try:
-        report = convert_pythia(settings)
+        report = convert_pythia(settings, storage)
     except ConversionError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, whatever the cause printed
         return 2

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from .settings import GenerateSettings
+from .settings import GenerateSettings, StorageSettings
 
 
-def run_generate(settings: GenerateSettings) -> int:
+def run_generate(settings: GenerateSettings, storage: StorageSettings | None = None) -> int:
     """Build a preset, run a forward and a short greedy generation, print the FLOPs/memory comparison."""
     import torch
 
@@ -34,6 +34,10 @@ def run_generate(settings: GenerateSettings) -> int:
     n_tables = sum(p.numel() for name, p in model.named_parameters() if name.endswith("tables"))
     print(f"  built in {time.perf_counter() - start:.1f} s: {n_params / 1e6:.1f} M parameters, "
           f"{n_tables / 1e6:.1f} M of them in hash tables")
+    if storage is not None and (storage.table_dtype or storage.lm_head_dtype):
+        storage.apply(model)
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        print(f"  stored for inference: {storage.describe()}; {size / 1e6:.0f} MB of weights")
 
     if tokenizer is not None:
         prompt = tokenizer(settings.prompt, return_tensors="pt").input_ids

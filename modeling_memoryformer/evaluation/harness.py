@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .perplexity import perplexity
-from .settings import PAPER_TASKS, EvalSettings
+from .settings import PAPER_TASKS, EvalSettings, StorageSettings
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def _compact_sample(sample: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer eval`
-def run_eval(settings: EvalSettings) -> int:
+def run_eval(settings: EvalSettings, storage: StorageSettings | None = None) -> int:
     """`memoryformer eval`: harness tasks and/or perplexity of one model, printed and optionally saved as JSON."""
     tasks = settings.tasks if settings.tasks is not None else (None if settings.perplexity else list(PAPER_TASKS))
     try:
@@ -288,7 +288,12 @@ def run_eval(settings: EvalSettings) -> int:
         facts = run_facts()  # loads (builds) the Memory Layer kernel before any evaluation
         print(run_facts_line(facts))
         model, tokenizer = _load_model_and_tokenizer(settings.model, settings.tokenizer, settings.device)
-        report: dict[str, Any] = {"model": settings.model, "run": facts}
+        if storage is not None and (storage.table_dtype or storage.lm_head_dtype):
+            storage.apply(model)
+            print(f"stored for inference: {storage.describe()}")
+        report: dict[str, Any] = {"model": settings.model, "run": facts,
+                                  "storage": {"table_dtype": getattr(model.config, "table_dtype", None),
+                                              "lm_head_dtype": getattr(model.config, "lm_head_dtype", None)}}
         if tasks:
             report["harness"] = evaluate_tasks(model, tokenizer, tasks, num_fewshot=settings.num_fewshot,
                                                batch_size=settings.batch_size, limit=settings.limit,

@@ -18,6 +18,35 @@ KERNEL_DTYPES = ("fp32", "bf16", "fp16", "fp64")
 TABLE_DTYPES = ("fp16", "bf16", "fp32")  # table value types of the memory figures
 
 
+STORAGE_DTYPES = ("int8", "bf16")  # modeling_memoryformer.quantization's storages, by their command-line names
+
+
+@dataclass
+class StorageSettings:
+    """How an inference command stores the model it runs (`memoryformer generate / eval / convert`): the tables and
+    the LM head in int8 or bf16, summed in float32 (see the README's Quantized tables)."""
+
+    table_dtype: str | None = option(
+        None, "store the Memory Layer tables as int8 (a scale and offset per row) or bf16 for inference (default: as "
+        "the model has them)", choices=STORAGE_DTYPES)
+    lm_head_dtype: str | None = option(
+        None, "store the LM head as int8 or bf16 for inference (default: as the model has it)", choices=STORAGE_DTYPES)
+
+    def apply(self, model):
+        """`model` stored as asked, in place (`quantize_tables` / `quantize_lm_head`; they check what they are
+        given); returns it."""
+        if self.table_dtype:
+            model.quantize_tables(self.table_dtype, lm_head=self.lm_head_dtype)
+        elif self.lm_head_dtype:
+            model.quantize_lm_head(self.lm_head_dtype)
+        return model
+
+    def describe(self) -> str:
+        parts = [f"tables {self.table_dtype}" if self.table_dtype else "", f"LM head {self.lm_head_dtype}"
+                 if self.lm_head_dtype else ""]
+        return ", ".join(p for p in parts if p) or "as saved"
+
+
 @dataclass
 class EvalSettings:
     """`memoryformer eval`: lm-evaluation-harness tasks and sliding-window perplexity of one model."""

@@ -473,3 +473,34 @@ def test_command_exits_with_a_clear_error(tmp_path):
                             check=False, capture_output=True, text=True)
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+def test_conversion_stored_as_int8_saves_the_quantized_model_it_converted(teacher_folder, tmp_path):
+    """`convert --table-dtype int8 --lm-head-dtype bf16`: the saved folder is the float conversion quantised (the
+    oracle: the float conversion, quantised here by the model's own method, gives the same logits)."""
+    from modeling_memoryformer.evaluation.settings import StorageSettings
+
+    convert.convert_pythia(_settings(teacher_folder, tmp_path / "float"))
+    convert.convert_pythia(_settings(teacher_folder, tmp_path / "int8"), StorageSettings("int8", "bf16"))
+    stored = AutoModelForCausalLM.from_pretrained(tmp_path / "int8").eval()
+    assert (stored.config.table_dtype, stored.config.lm_head_dtype) == ("int8", "bfloat16")
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path / "float").eval()
+    oracle.quantize_tables("int8", lm_head="bf16")
+    ids = random_ids(2, 12, vocab=50304)
+    with torch.no_grad():
+        torch.testing.assert_close(stored(ids).logits, oracle(ids).logits, rtol=0, atol=0)
+    report = json.loads((tmp_path / "int8" / "conversion_report.json").read_text())
+    assert report["storage"] == {"table_dtype": "int8", "lm_head_dtype": "bf16"}
+
+
+def test_a_storage_the_model_cannot_take_is_refused_before_any_work(tmp_path, capsys):
+    from modeling_memoryformer import cli
+
+    source = tmp_path / "odd"  # width 34: int8 rows need a multiple of 4 values; only the config is read
+    GPTNeoXConfig(vocab_size=96, hidden_size=34, num_hidden_layers=1, num_attention_heads=2, intermediate_size=136,
+                  max_position_embeddings=64).save_pretrained(source)
+    code = cli.main(["convert", "--from", str(source), "--out", str(tmp_path / "out"), "--hash-bits", "2",
+                     "--table-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --table-dtype") and "multiple of 4" in err, err
+    assert not (tmp_path / "out").exists()

@@ -129,3 +129,25 @@ def test_train_states_its_evaluation_and_logging_schedule(trained, tmp_path, cap
     assert "in 3 evaluations" in printed
     assert cli.main([*argv, "--overwrite", "--eval-steps", "2"]) == 2
     assert "pass one of them" in capsys.readouterr().err
+
+
+def test_generate_runs_with_int8_tables_and_head_and_says_how_much_it_holds(capsys):
+    """`generate --table-dtype int8 --lm-head-dtype int8` runs and reports the bytes it holds; the oracle counts them
+    from the shapes: a byte per table or head value, a float32 scale and offset per table row, a float32 scale per
+    head row, float32 for every other parameter."""
+    from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
+    from modeling_memoryformer.evaluation.flops import memory_layers
+
+    argv = ["generate", "--preset", "tiny", "--layers", "1", "--new-tokens", "2", "--seq-len", "16"]
+    assert cli.main([*argv, "--table-dtype", "int8", "--lm-head-dtype", "int8"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "stored for inference" in line)
+    assert "tables int8, LM head int8" in line
+    megabytes = int(line.split("; ")[1].split(" MB")[0])
+    config = MemoryFormerConfig.from_preset("tiny", num_hidden_layers=1)
+    layers = memory_layers(config)
+    tables = sum(layer.table_values + 8 * (layer.num_tables << layer.hash_bits) for layer in layers)
+    head = config.vocab_size * (config.hidden_size + 4)
+    others = sum(p.numel() for name, p in MemoryFormerForCausalLM(config).named_parameters()
+                 if "tables" not in name and "lm_head" not in name)
+    expected = (tables + head + 4 * others) / 1e6
+    assert abs(megabytes - expected) <= 0.02 * expected, (megabytes, expected)

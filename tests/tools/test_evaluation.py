@@ -409,3 +409,26 @@ def test_eval_command_exports_tasks_for_offline_use(tmp_path, capsys):
 def test_eval_command_reports_bad_input_and_exits_2(argv, message, capsys):
     assert run_eval(parse(argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_eval_command_stores_the_model_as_asked_before_measuring(tokenizer, tmp_path, capsys):
+    """`eval --table-dtype int8 --lm-head-dtype int8`: the perplexity is that of the model quantised by its own
+    method (the oracle, computed here), not of the float32 one, and the report says how it was stored."""
+    model = tiny_model(seed=3)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(random_text(30))
+    out = tmp_path / "results.json"
+    argv = ["eval", "--model", str(tmp_path / "model"), "--perplexity", str(text), "--context-length", "16",
+            "--stride", "8", "--out", str(out), "--table-dtype", "int8", "--lm-head-dtype", "int8"]
+    assert run_eval(*parse_settings(argv)) == 0
+    report = json.loads(out.read_text())
+    assert report["storage"] == {"table_dtype": "int8", "lm_head_dtype": "int8"}
+    stored = tiny_model(seed=3).quantize_tables("int8", lm_head="int8")
+    # batch 8 as the command's default: the int8 head quantises its input per call, over the whole batch
+    expected = perplexity(stored, tokenizer, text, context_length=16, stride=8, batch_size=8)
+    float_ppl = perplexity(model, tokenizer, text, context_length=16, stride=8, batch_size=8)
+    assert report["perplexity"]["nll_sum"] == pytest.approx(expected["nll_sum"], rel=1e-6)
+    assert report["perplexity"]["nll_sum"] != pytest.approx(float_ppl["nll_sum"], rel=1e-9)
+    assert "stored for inference: tables int8, LM head int8" in capsys.readouterr().out

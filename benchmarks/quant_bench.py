@@ -233,14 +233,16 @@ def markdown(results: dict) -> str:
         lines += _measured_on(results["layer"])
         lines += ["Memory Layer forward, 2048 tokens (ms, median):", "",
                   "| layer | " + " | ".join(r["name"] for r in results["layer"]["layers"][0]["rows"]) +
-                  " | int8 vs float32 [fused] |", "|---|" + "---|" * (len(results["layer"]["layers"][0]["rows"]) + 1)]
+                  " | float32 [fused] time / int8 time | other cores busy |",
+                  "|---|" + "---|" * (len(results["layer"]["layers"][0]["rows"]) + 2)]
         for layer in results["layer"]["layers"]:
             cells = [f"{r['seconds']['median'] * 1e3:.2f}" if "seconds" in r else "failed" for r in layer["rows"]]
             times = {r["name"]: r["seconds"]["median"] for r in layer["rows"] if "seconds" in r}
             ratio = "-"
             if "int8 tables" in times and "float32 tables [fused]" in times:
-                ratio = f"{times['float32 tables [fused]'] / times['int8 tables']:.2f}x faster"
-            lines.append(f"| {layer['layer']} | " + " | ".join(cells) + f" | {ratio} |")
+                ratio = f"{times['float32 tables [fused]'] / times['int8 tables']:.2f}x"
+            busy = max(r["other_cores"] or 0 for r in layer["rows"])
+            lines.append(f"| {layer['layer']} | " + " | ".join(cells) + f" | {ratio} | up to {busy:.2f} |")
         lines.append("")
     if "quality" in results:
         q = results["quality"]

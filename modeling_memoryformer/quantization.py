@@ -2,8 +2,8 @@
 or bfloat16; every sum is accumulated in float32.
 
 A MemoryFormer's tables are most of its bytes (paper Table 1: 138 MB of fp16 tables per MF-tiny block against 6.3 MB
-of Pythia-70M weights), and decoding reads one row per table and token, so it is bound by memory traffic: narrower
-rows are less memory and less time.
+of Pythia-70M weights): narrower rows are less memory, and less time where reads dominate (a layer's lookup over
+tables far larger than the caches; above all, while decoding, the LM head, read whole for every token).
 
 int8 tables use FBGEMM's 8-bit row-wise layout, the one `torch.ops.quantized.embedding_bag_byte_prepack` writes and
 `torch.ops.quantized.embedding_bag_byte_rowwise_offsets` reads: each row of d values v is stored as d codes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cli.arguments import option, required
+from ..training.settings import option, required
 
 INITS = ("data-free", "calibrated")
 

@@ -8,8 +8,9 @@ from the field, and the help from `metadata["help"]`. A bool field is a switch: 
 `["action"]` ("append") pass through to argparse; `metadata["cli"] = False` keeps a field off the command line.
 
 The settings classes are defined once, in light modules of the tools (no torch at import, so that `--help` answers at
-once), and checked once, in their `__post_init__`; this module only turns parsed values into those objects. It uses
-nothing but the standard library (transformers' own parser would import torch).
+once; `training.settings.option` declares a field), and checked once, in their `__post_init__`; this module only
+turns parsed values into those objects. It uses nothing but the standard library (transformers' own parser would
+import torch).
 """
 
 from __future__ import annotations
@@ -19,19 +20,6 @@ import dataclasses
 import re
 import types
 import typing
-
-
-def option(default=None, help: str = "", **metadata):
-    """A settings field that is a command-line option: its default, help and metadata (`flag`, `choices`, ...,
-    `cli=False` to keep it off the command line). A list or dict default becomes a default factory."""
-    if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
-
-
-def required(help: str, **metadata):
-    """A settings field without a default: a required option."""
-    return dataclasses.field(metadata={"help": help, **metadata})
 
 
 def flag_of(field: dataclasses.Field) -> str:

@@ -18,8 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from ..cli.arguments import option
-from ..training.settings import DataSettings, ModelShape
+from ..training.settings import DataSettings, ModelShape, option
 
 if TYPE_CHECKING:  # imported where used: `memoryformer demo --help` reads DemoSettings without loading torch
     import torch

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cli.arguments import option, required
-from ..training.settings import PRESETS, check_at_least
+from ..training.settings import PRESETS, check_at_least, option, required
 
 # The paper's zero-shot tasks (Table 2), the default of `memoryformer eval --tasks`.
 PAPER_TASKS = ("piqa", "winogrande", "wsc", "arc_easy", "arc_challenge", "logiqa")

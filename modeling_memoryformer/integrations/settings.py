@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cli.arguments import option, required
+from ..training.settings import option, required
 
 DEFAULT_COMMIT_MESSAGE = "Upload MemoryFormer model and model card"
 

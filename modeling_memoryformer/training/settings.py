@@ -8,15 +8,28 @@ only), so that `--help` answers at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..cli.arguments import option, required
 from . import TABLE_OPTIMIZERS
 
 # configuration_memoryformer.PRESETS, repeated here because that module imports transformers (and torch);
 # tests/tools/test_cli_help.py checks that the two agree.
 PRESETS = ("tiny", "small", "base")
+
+
+def option(default=None, help: str = "", **metadata):
+    """A settings field that is a command-line option: its default, help and metadata (`flag`, `choices`, ...,
+    `cli=False` to keep it off the command line). A list or dict default becomes a default factory."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def required(help: str, **metadata):
+    """A settings field without a default: a required option."""
+    return dataclasses.field(metadata={"help": help, **metadata})
 
 
 def check_table_optimizer_setup(rule: str, gradient_accumulation_steps: int) -> None:
@@ -206,4 +219,6 @@ __all__ = [
     "TrainingSettings",
     "check_output_dir",
     "check_table_optimizer_setup",
+    "option",
+    "required",
 ]

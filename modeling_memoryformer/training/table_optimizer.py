@@ -33,7 +33,7 @@ Semantics that differ from AdamW on every parameter, by construction:
 - Several processes (DDP): DDP's reducer would average a table's gradient only after its hook had updated the table
   with the rank's own gradient, so the tables are kept out of DDP (`exclude_tables_from_ddp`) and each hook averages
   its table's gradient over the ranks itself (an all-reduce with SUM, then a division: never gloo's AVG, see
-  `integrations.distributed`) before the update. Every rank then applies the same update to the same table, and the
+  `training.sharding`) before the update. Every rank then applies the same update to the same table, and the
   run equals one process at the same global batch. One layer's table gradient is held at a time, as in one process.
 """
 

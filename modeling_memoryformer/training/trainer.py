@@ -107,8 +107,8 @@ class MemoryFormerTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         # FSDP asked for (args.fsdp, or accelerate launch --use_fsdp) shards on CPU too, where accelerate alone would
-        # fall back to DDP (integrations.distributed.enable_fsdp_on_cpu).
-        from ..integrations.distributed import enable_fsdp_on_cpu
+        # fall back to DDP (training.sharding.enable_fsdp_on_cpu).
+        from .sharding import enable_fsdp_on_cpu
 
         super().create_accelerator_and_postprocess()
         enable_fsdp_on_cpu(self)
@@ -175,7 +175,7 @@ class _GlooSumReductions(TrainerCallback):
     """Once the Trainer has sharded the model: SUM (not AVG) gradient reductions on gloo."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from ..integrations.distributed import sum_reductions_on_gloo
+        from .sharding import sum_reductions_on_gloo
 
         sum_reductions_on_gloo(model)
 
@@ -318,7 +318,7 @@ def training_arguments(settings: TrainingSettings, model: nn.Module) -> Training
         use_cpu=not torch.cuda.is_available(),
     )
     if settings.fsdp:
-        from ..integrations.distributed import fsdp_training_arguments
+        from .sharding import fsdp_training_arguments
 
         arguments.update(fsdp_training_arguments())
     arguments.update(settings.extra_arguments)
@@ -434,7 +434,7 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     final = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
     metrics = final[-1] if final else trainer.evaluate()  # the last step may have evaluated already
     if settings.save_final_model:
-        from ..integrations.distributed import full_state_dict
+        from .sharding import full_state_dict
 
         with full_state_dict(trainer):  # a sharded run still leaves a model that from_pretrained loads
             trainer.save_model(settings.output_dir)

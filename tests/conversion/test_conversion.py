@@ -386,11 +386,11 @@ def test_data_free_conversion_writes_a_folder_that_loads_with_auto_and_remote_co
 @needs_text
 def test_calibrated_command_reports_every_stage(teacher_with_tokenizer, tmp_path):
     out = tmp_path / "converted"
-    (settings,) = parse_settings(
+    settings = parse_settings(
         ["convert", "--from", str(teacher_with_tokenizer), "--out", str(out), "--calib-text", TEXT, "--hash-bits", "4", "--seq-len", "32",
          "--calib-tokens", "2048", "--eval-tokens", "512", "--sweeps", "3", "--distill-steps", "2", "--quiet"]
     )
-    assert convert.run_convert(settings) == 0
+    assert convert.run_convert(*settings) == 0
     report = json.loads((out / "conversion_report.json").read_text())
     assert list(report["stages"]) == ["teacher", "random_init", "random_tables", "data_free", "calibrated", "distilled"]
     assert report["run"]["memory_layer_kernel"] in ("fused", "torch") and report["run"]["cpu_model"]

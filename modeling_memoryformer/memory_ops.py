@@ -281,15 +281,21 @@ def memory_lookup(
             f"bias must be a floating-point vector of out_features={tables.shape[-1]} values (one per table column); "
             f"got {bias.dtype} of shape {tuple(bias.shape)}. Pass a bias of shape [{tables.shape[-1]}], or None."
         )
-    if x.device.type == "cpu" and _use_fused(tables):  # hashing and scoring in one C++ pass, then the lookup
+    rows, scores = hashed_rows(x, hash_bits, score, temperature, fused=_use_fused(tables))
+    return _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype))
+
+
+def hashed_rows(x: torch.Tensor, hash_bits: int, score: str = "paper", temperature: float = 1.0,
+                fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat table row k * 2**tau + h(z_k) and the score p(z_k) of every chunk: x [..., K * tau] -> (int64
+    [..., K], [..., K]). On the CPU with the fused kernel in use (`fused`, default: whether it is), hashing and
+    scoring are one C++ pass; otherwise `hash_codes` and `hash_scores`."""
+    if x.device.type == "cpu" and (_use_fused(x) if fused is None else fused):
         rows, scores = torch.ops.memoryformer_cpu.hash(
             x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
         )
-        y = _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype))
-        return y.view(*x.shape[:-1], tables.shape[-1])
-    rows = table_rows(hash_codes(x, hash_bits), hash_bits)
-    scores = hash_scores(x, hash_bits, score, temperature)
-    return _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype))
+        return rows.view(*x.shape[:-1], rows.shape[-1]), scores.view(*x.shape[:-1], scores.shape[-1])
+    return table_rows(hash_codes(x, hash_bits), hash_bits), hash_scores(x, hash_bits, score, temperature)
 
 
 _LINEAR_ROWS_MAX = 4  # kLinearMaxRows of the C++ kernel (its op linear_rows_max() says the same; a test checks)

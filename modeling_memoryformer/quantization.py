@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .memory_ops import _use_fused, hash_codes, hash_scores, table_rows
+from .memory_ops import hashed_rows
 
 
 INT8_ROW_BYTES = 8  # the float32 scale and offset after each row's codes
@@ -195,14 +195,7 @@ def int8_memory_lookup(
     """The Memory Layer on int8 tables: x [..., K * tau] -> [..., d] in x's dtype (`memory_ops.memory_lookup` with
     the rows dequantised). Hashing and scoring as the float path: the fused kernel's pass on the CPU when it is in
     use, the PyTorch formulation otherwise."""
-    if x.device.type == "cpu" and _use_fused(x):
-        rows, scores = torch.ops.memoryformer_cpu.hash(
-            x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
-        )
-        rows, scores = rows.view(*x.shape[:-1], -1), scores.view(*x.shape[:-1], -1)
-    else:
-        rows = table_rows(hash_codes(x, hash_bits), hash_bits)
-        scores = hash_scores(x, hash_bits, score, temperature)
+    rows, scores = hashed_rows(x, hash_bits, score, temperature)
     return int8_lookup(rows, scores, codes, scale, offset, bias, x.dtype, block)
 
 

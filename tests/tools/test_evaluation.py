@@ -359,9 +359,8 @@ def test_task_data_out_of_reach_says_how_to_evaluate_offline(tokenizer):
 # ----------------------------------------------------------------------------------------------------------------------
 # `memoryformer eval`
 def parse(argv: list[str]):
-    """The EvalSettings of `memoryformer eval ARGV`."""
-    (settings,) = parse_settings(["eval", *argv])
-    return settings
+    """The settings objects of `memoryformer eval ARGV` (EvalSettings, StorageSettings), for `run_eval(*...)`."""
+    return parse_settings(["eval", *argv])
 
 
 def test_eval_command_runs_tasks_and_perplexity_from_a_saved_model_and_writes_json(tokenizer, tmp_path, capsys):
@@ -375,7 +374,7 @@ def test_eval_command_runs_tasks_and_perplexity_from_a_saved_model_and_writes_js
     text.write_text(random_text(30))
 
     out = tmp_path / "results.json"
-    code = run_eval(parse(["--model", str(tmp_path / "model"), "--tasks", "certain_right", "--include-path",
+    code = run_eval(*parse(["--model", str(tmp_path / "model"), "--tasks", "certain_right", "--include-path",
                            str(tasks), "--perplexity", str(text), "--context-length", "16", "--stride", "8",
                            "--out", str(out)]))
     assert code == 0
@@ -392,7 +391,7 @@ def test_eval_command_runs_tasks_and_perplexity_from_a_saved_model_and_writes_js
 def test_eval_command_exports_tasks_for_offline_use(tmp_path, capsys):
     write_local_piqa(tmp_path / "local")
     argv = ["--export-tasks", str(tmp_path / "out"), "--tasks", "piqa", "--include-path", str(tmp_path / "local")]
-    assert run_eval(parse(argv)) == 0
+    assert run_eval(*parse(argv)) == 0
     assert sorted(path.name for path in (tmp_path / "out").rglob("*") if path.is_file()) == [
         "piqa.yaml", "train.jsonl", "validation.jsonl"]
     assert f"--include-path {tmp_path / 'out'}" in capsys.readouterr().out
@@ -407,7 +406,7 @@ def test_eval_command_exports_tasks_for_offline_use(tmp_path, capsys):
     ],
 )
 def test_eval_command_reports_bad_input_and_exits_2(argv, message, capsys):
-    assert run_eval(parse(argv)) == 2
+    assert run_eval(*parse(argv)) == 2
     assert message in capsys.readouterr().err
 
 

@@ -149,7 +149,7 @@ def convert_pythia(settings: ConvertSettings, storage: StorageSettings | None = 
     report["config"] = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
                                                         "hash_bits", "num_tables", "hash_temperature")}
     student = _convert(config, teacher, data, settings, report)
-    if storage is not None and (storage.table_dtype or storage.lm_head_dtype):
+    if storage is not None and storage.requested:
         storage.apply(student)
         report["storage"] = {"table_dtype": storage.table_dtype, "lm_head_dtype": storage.lm_head_dtype}
         if data.get("eval") is not None:
@@ -161,7 +161,7 @@ def convert_pythia(settings: ConvertSettings, storage: StorageSettings | None = 
 
 def _check_storage(config, storage: StorageSettings | None) -> None:
     """Refuse, before any work, a storage the converted model cannot take (e.g. int8 rows need a multiple of 4)."""
-    if storage is None or not (storage.table_dtype or storage.lm_head_dtype):
+    if storage is None or not storage.requested:
         return
     try:
         type(config).from_dict({**config.to_dict(), "table_dtype": storage.table_dtype,

@@ -27,13 +27,9 @@ def flag_of(field: dataclasses.Field) -> str:
     if "flag" in field.metadata:
         return field.metadata["flag"]
     name = field.name.replace("_", "-")
-    if _field_type_is_bool(field) and field.default is True:
+    if field.default is True:  # a switch that is on by default turns off
         return f"--no-{name}"
     return f"--{name}"
-
-
-def _field_type_is_bool(field: dataclasses.Field) -> bool:
-    return field.type in (bool, "bool")
 
 
 def _unwrap_optional(annotation):
@@ -90,9 +86,10 @@ def settings_from(namespace: argparse.Namespace, cls):
     """An instance of `cls` from the parsed options (command-line fields) and the field defaults (the others).
     A ValueError of its checks comes back with the field names it mentions replaced by their flags."""
     values = {}
+    hints = typing.get_type_hints(cls)
     for field in cli_fields(cls):
         value = getattr(namespace, field.name)
-        hint = _unwrap_optional(typing.get_type_hints(cls)[field.name])
+        hint = _unwrap_optional(hints[field.name])
         if typing.get_origin(hint) is tuple and isinstance(value, list):
             value = tuple(value)
         values[field.name] = value

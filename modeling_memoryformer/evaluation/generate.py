@@ -34,7 +34,7 @@ def run_generate(settings: GenerateSettings, storage: StorageSettings | None = N
     n_tables = sum(p.numel() for name, p in model.named_parameters() if name.endswith("tables"))
     print(f"  built in {time.perf_counter() - start:.1f} s: {n_params / 1e6:.1f} M parameters, "
           f"{n_tables / 1e6:.1f} M of them in hash tables")
-    if storage is not None and (storage.table_dtype or storage.lm_head_dtype):
+    if storage is not None and storage.requested:
         storage.apply(model)
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         print(f"  stored for inference: {storage.describe()}; {size / 1e6:.0f} MB of weights")

@@ -288,7 +288,7 @@ def run_eval(settings: EvalSettings, storage: StorageSettings | None = None) -> 
         facts = run_facts()  # loads (builds) the Memory Layer kernel before any evaluation
         print(run_facts_line(facts))
         model, tokenizer = _load_model_and_tokenizer(settings.model, settings.tokenizer, settings.device)
-        if storage is not None and (storage.table_dtype or storage.lm_head_dtype):
+        if storage is not None and storage.requested:
             storage.apply(model)
             print(f"stored for inference: {storage.describe()}")
         report: dict[str, Any] = {"model": settings.model, "run": facts,

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..training.settings import PRESETS, check_at_least, option, required
+from .flops import BYTES_PER_VALUE  # a light module: no torch at import
 
 # The paper's zero-shot tasks (Table 2), the default of `memoryformer eval --tasks`.
 PAPER_TASKS = ("piqa", "winogrande", "wsc", "arc_easy", "arc_challenge", "logiqa")
 # kernel_report.DTYPES (its keys), repeated because that module imports torch; tests/tools/test_cli_help.py checks it.
 KERNEL_DTYPES = ("fp32", "bf16", "fp16", "fp64")
-TABLE_DTYPES = ("fp16", "bf16", "fp32")  # table value types of the memory figures
+TABLE_DTYPES = tuple(BYTES_PER_VALUE)  # table value types of the memory figures
 
 
 STORAGE_DTYPES = ("int8", "bf16")  # modeling_memoryformer.quantization's storages, by their command-line names
@@ -30,6 +31,11 @@ class StorageSettings:
         "the model has them)", choices=STORAGE_DTYPES)
     lm_head_dtype: str | None = option(
         None, "store the LM head as int8 or bf16 for inference (default: as the model has it)", choices=STORAGE_DTYPES)
+
+    @property
+    def requested(self) -> bool:
+        """Whether anything is to be stored narrower than the model has it."""
+        return bool(self.table_dtype or self.lm_head_dtype)
 
     def apply(self, model):
         """`model` stored as asked, in place (`quantize_tables` / `quantize_lm_head`; they check what they are

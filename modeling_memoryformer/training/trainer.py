@@ -162,7 +162,8 @@ def check_adamw_tables(model: nn.Module) -> None:
     from .table_optimizer import table_parameters
 
     tables = table_parameters(model)
-    others = [p for p in model.parameters() if p.requires_grad and all(p is not t for t in tables)]
+    table_ids = {id(t) for t in tables}
+    others = [p for p in model.parameters() if p.requires_grad and id(p) not in table_ids]
     if any(t.dtype == torch.bfloat16 for t in tables) and any(p.dtype == torch.float32 for p in others):
         raise ValueError(
             "The tables are stored in bfloat16 (table_dtype='bfloat16'), and AdamW would round every table update to "

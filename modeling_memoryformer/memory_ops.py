@@ -235,6 +235,9 @@ def _gather_accumulate(
     """sum_k scores[..., k] * tables[rows[..., k]] (+ bias) in `dtype`. Both paths accumulate in float32 (float64 for
     float64 tables); tables narrower than `dtype` give their sum in the tables' dtype, widened afterwards, and the
     bias is added in `dtype`."""
+    update = table_update_for(tables)
+    if update is not None:
+        return _LookupUpdatingTables.apply(rows, scores, tables, bias, dtype, update)
     lead = rows.shape[:-1]
     mixed = dtype != tables.dtype
     if _use_fused(tables):
@@ -260,6 +263,124 @@ def _gather_accumulate(
         if bias is not None:
             y = y + bias
     return y.reshape(*lead, tables.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Table updates in the backward pass: an optimizer (training.table_optimizer.TableAdamW) attaches to a `tables`
+# parameter an object under TABLE_UPDATE_ATTR with
+#   owner() -> the parameter it was made for (a weak reference: a copy of the model does not update the original's)
+#   __call__(grad, start, stop, first) -> None: apply the optimizer's rule to rows [start, stop) of the parameter,
+#       given their complete gradient for this backward pass (float32, or float64 for float64 tables); `first` is
+#       True for the first group of rows of a backward pass (the optimizer counts its step there).
+# The lookup's backward then computes the table gradient one group of whole tables at a time (at most
+# `update_group_bytes()` of gradient) and hands each group to the update at once, before the next group's gradient
+# exists: no tensor the size of the tables ever holds a gradient, and the parameter's `.grad` stays None. The score
+# gradient of a group is taken before that group is updated, so the input gradient is the one of the forward's
+# tables, as without the update.
+
+TABLE_UPDATE_ATTR = "_memoryformer_table_update"
+UPDATE_GROUP_BYTES = None  # None: derived from the machine's caches (`update_group_bytes`); tests set it small
+
+
+def table_update_for(tables: torch.Tensor):
+    """The update attached to `tables` when this lookup should apply it in its backward pass, else None: a gradient
+    is being recorded for the tables, outside torch.compile (which traces the plain lookup and leaves the update to
+    the optimizer's gradient hook)."""
+    update = getattr(tables, TABLE_UPDATE_ATTR, None)
+    if (
+        update is None
+        or not (torch.is_grad_enabled() and tables.requires_grad)
+        or torch.compiler.is_compiling()
+        or update.owner() is not tables
+    ):
+        return None
+    return update
+
+
+def update_group_bytes() -> int:
+    """Bytes of table gradient computed before its update: a quarter of the last-level cache when the fused kernel
+    reports it (so the update reads the gradient back from cache), else 8 MB; `UPDATE_GROUP_BYTES` overrides."""
+    if UPDATE_GROUP_BYTES is not None:
+        return int(UPDATE_GROUP_BYTES)
+    if _fused_state:
+        l3 = int(torch.ops.memoryformer_cpu.machine_info()[2])
+        if l3 > 0:
+            return max(1 << 20, l3 // 4)
+    return 8 << 20
+
+
+def _group_gradient_torch(grad: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor,
+                          need_scores: bool, budget: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The PyTorch form of one group's backward: grad [N, D], rows [N, k] (into `tables` [k * P, D]), scores [N, k]
+    -> (grad_scores [N, k] or None, grad_tables [k * P, D]), in float32 (float64 for float64 tables), a slice of
+    tokens at a time so that the [tokens, k, D] products stay within `budget` bytes."""
+    acc = _acc_dtype(tables.dtype)
+    n, k = rows.shape
+    width = tables.shape[1]
+    values = tables.to(acc)
+    grad = grad.to(acc)
+    grad_tables = torch.zeros(tables.shape, dtype=acc, device=tables.device)
+    grad_scores = torch.empty((n, k), dtype=acc, device=tables.device) if need_scores else None
+    step = max(1, budget // max(1, k * width * torch.finfo(acc).bits // 8))
+    for t0 in range(0, n, step):
+        g = grad[t0 : t0 + step].unsqueeze(1)  # [t, 1, D]
+        r = rows[t0 : t0 + step]
+        grad_tables.index_add_(0, r.reshape(-1), (scores[t0 : t0 + step].to(acc).unsqueeze(-1) * g).reshape(-1, width))
+        if need_scores:
+            grad_scores[t0 : t0 + step] = (values[r] * g).sum(-1)
+    return grad_scores, grad_tables
+
+
+class _LookupUpdatingTables(torch.autograd.Function):
+    """`_gather_accumulate` whose backward updates the tables in place, group by group, instead of returning their
+    gradient (see TABLE_UPDATE_ATTR above). The tables are held by reference, not saved: they change in the backward
+    by design, after each group's score gradient has been taken."""
+
+    @staticmethod
+    def forward(ctx, rows, scores, tables, bias, dtype, update):
+        ctx.save_for_backward(rows, scores)
+        ctx.tables, ctx.update, ctx.dtype = tables, update, dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _gather_accumulate(rows, scores, tables.detach(), bias, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, scores = ctx.saved_tensors
+        tables, update = ctx.tables, ctx.update
+        need_scores = ctx.needs_input_grad[1]
+        num_tables, width = rows.shape[-1], tables.shape[1]
+        per_table = tables.shape[0] // num_tables
+        flat_rows = rows.reshape(-1, num_tables)
+        flat_scores = scores.reshape(-1, num_tables)
+        g = grad.reshape(-1, width)
+        acc = _acc_dtype(tables.dtype)
+        budget = update_group_bytes()
+        group = max(1, min(num_tables, budget // max(1, per_table * width * torch.finfo(acc).bits // 8)))
+        fused = _use_fused(tables)
+        grad_scores = torch.empty(flat_scores.shape, dtype=acc, device=grad.device) if need_scores else None
+        with torch.no_grad():
+            for k0 in range(0, num_tables, group):
+                k1 = min(num_tables, k0 + group)
+                start, stop = k0 * per_table, k1 * per_table
+                local = (flat_rows[:, k0:k1] - start).contiguous()
+                part = flat_scores[:, k0:k1].contiguous()
+                values = tables.detach()[start:stop]
+                if fused:
+                    gs, gt = torch.ops.memoryformer_cpu.lookup_backward(
+                        g.to(acc).contiguous(), local, part.to(acc), values.to(acc).contiguous(), per_table, True,
+                        need_scores)
+                else:
+                    gs, gt = _group_gradient_torch(g, local, part, values, need_scores, budget)
+                if need_scores:
+                    grad_scores[:, k0:k1] = gs
+                update(gt, start, stop, k0 == 0)
+                del gt
+        grad_bias = None
+        if ctx.needs_input_grad[3]:
+            grad_bias = g.sum(0).to(ctx.bias_dtype)
+        if need_scores:
+            grad_scores = grad_scores.to(scores.dtype).view(scores.shape)
+        return None, grad_scores, None, grad_bias, None, None
 
 
 def memory_lookup(
@@ -748,6 +869,10 @@ def _register_autograd_and_fake() -> None:
     @torch.library.register_fake("memoryformer_cpu::lookup")
     def _lookup_fake(rows, scores, tables, bias, rows_per_table):
         return tables.new_empty((rows.shape[0], tables.shape[1]))
+
+    @torch.library.register_fake("memoryformer_cpu::int8_lookup")
+    def _int8_lookup_fake(rows, scores, packed, bias, rows_per_table):
+        return packed.new_empty((rows.shape[0], packed.shape[1] - 8), dtype=torch.float32)
 
     @torch.library.register_fake("memoryformer_cpu::linear_rows")
     def _linear_rows_fake(x, weight, bias):

@@ -39,11 +39,13 @@ Semantics that differ from AdamW on every parameter, by construction:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from ..memory_ops import TABLE_UPDATE_ATTR
 from . import TABLE_OPTIMIZERS
 from .settings import check_table_optimizer_setup
 
@@ -193,6 +195,8 @@ class TableAdamW(torch.optim.AdamW):
                  **adamw_kwargs):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
         self._hooks = []
+        self._fused: list[nn.Parameter] = []
+        self._updated: set[int] = set()  # tables updated since the last step(): a second update would be an error
         seen = set()
         for group in self.param_groups:
             rule = group.setdefault("table_rule", None)
@@ -205,13 +209,14 @@ class TableAdamW(torch.optim.AdamW):
                     continue
                 seen.add(id(p))
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(group)))
+                setattr(p, TABLE_UPDATE_ATTR, _FusedUpdate(self, p, group))
+                self._fused.append(p)
 
     def _make_hook(self, group: dict):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
             with torch.no_grad():
-                average_over_ranks(param.grad)
                 self.update_table(param, param.grad, group)
             param.grad = None
 
@@ -222,25 +227,50 @@ class TableAdamW(torch.optim.AdamW):
         """Apply `group`'s table rule to `param` with `grad` (2-D [rows, width]) and advance its state."""
         if grad.is_sparse:
             raise ValueError("The table optimizers take dense table gradients.")
+        self.begin_table_step(param, group)
+        self.update_rows(param, grad, 0, param.shape[0], group)
+
+    @torch.no_grad()
+    def begin_table_step(self, param: torch.Tensor, group: dict) -> None:
+        """Count a step of `param`'s rule (creating its state at the first), before any of its rows is updated. A
+        table updated twice between two `step()` calls (two backward passes, or a lookup of the same tables twice
+        in one forward) is an error: the rules take one gradient per step."""
         if param.dim() != 2:
             raise ValueError(f"A table parameter must be 2-D [rows, width], got shape {tuple(param.shape)}.")
+        if id(param) in self._updated:
+            raise RuntimeError(
+                "A table was updated twice before optimizer.step(): the table optimizers apply one gradient per table "
+                "and step, in the backward pass. Call optimizer.step() after each backward, use one forward per "
+                "backward (no gradient accumulation), and look each Memory Layer up once per forward; or train "
+                "with --table-optimizer adamw."
+            )
+        self._updated.add(id(param))
         state = self.state[param]
         rows = param.shape[0]
-        lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-        if group["table_rule"] == "rowwise_adagrad":
-            if "sum" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            if group["table_rule"] == "rowwise_adagrad":
                 state["sum"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
-            state["step"] += 1
-            rowwise_adagrad_update(param, grad, state["sum"], lr, eps, weight_decay)
-        else:
-            if "exp_avg" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+            else:
                 state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state["exp_avg_sq"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
-            state["step"] += 1
-            adam_rowwise_update(param, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), lr,
-                                tuple(group["betas"]), eps, weight_decay)
+        state["step"] += 1
+
+    @torch.no_grad()
+    def update_rows(self, param: torch.Tensor, grad: torch.Tensor, start: int, stop: int, group: dict) -> None:
+        """Apply `group`'s rule to rows [start, stop) of `param`, whose gradient over the processes is `grad`
+        ([stop - start, width], this process's share: averaged over the ranks here), at the step counted by
+        `begin_table_step`. Row-wise rules need nothing from other rows, so any split of the rows gives the same
+        result as one update of the whole table."""
+        average_over_ranks(grad)
+        state = self.state[param]
+        lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        weight = param[start:stop]
+        if group["table_rule"] == "rowwise_adagrad":
+            rowwise_adagrad_update(weight, grad, state["sum"][start:stop], lr, eps, weight_decay)
+        else:
+            adam_rowwise_update(weight, grad, state["exp_avg"][start:stop], state["exp_avg_sq"][start:stop],
+                                int(state["step"].item()), lr, tuple(group["betas"]), eps, weight_decay)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -252,6 +282,7 @@ class TableAdamW(torch.optim.AdamW):
                     if p.grad is not None:
                         self.update_table(p, p.grad, group)
                         p.grad = None
+        self._updated.clear()
         return super().step(closure)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -267,9 +298,31 @@ class TableAdamW(torch.optim.AdamW):
                         self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
     def remove_hooks(self) -> None:
+        """Detach this optimizer from its tables: their gradients are plain `.grad` again."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for p in self._fused:
+            if getattr(getattr(p, TABLE_UPDATE_ATTR, None), "optimizer", None) is self:
+                delattr(p, TABLE_UPDATE_ATTR)
+        self._fused.clear()
+
+
+class _FusedUpdate:
+    """What `TableAdamW` attaches to a table parameter (under memory_ops.TABLE_UPDATE_ATTR) so that the Memory Layer's
+    backward applies the rule to each group of rows as soon as their gradient exists: no table gradient is ever
+    whole. Holds the parameter weakly, so a copy of the model (which copies this attribute) does not update it."""
+
+    def __init__(self, optimizer: TableAdamW, param: nn.Parameter, group: dict):
+        self.optimizer = optimizer
+        self.owner = weakref.ref(param)
+        self.group = group
+
+    def __call__(self, grad: torch.Tensor, start: int, stop: int, first: bool) -> None:
+        param = self.owner()
+        if first:
+            self.optimizer.begin_table_step(param, self.group)
+        self.optimizer.update_rows(param, grad, start, stop, self.group)
 
 
 def table_param_groups(model: nn.Module, rule: str, weight_decay: float,

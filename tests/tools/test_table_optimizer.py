@@ -186,6 +186,123 @@ def test_no_table_gradient_outlives_its_own_update():
     assert all(p.grad is not None for p in tables)  # hooks removed: plain gradients again
 
 
+def memory_layer_net(seed: int, table_dtype: str | None = None) -> torch.nn.Sequential:
+    """One Memory Layer with 10 tables of 16 rows (in 40, tau 4), 24 columns, with a bias."""
+    from modeling_memoryformer.modeling_memoryformer import MemoryLayer
+
+    torch.manual_seed(seed)
+    layer = MemoryLayer(40, 24, hash_bits=4, bias=True, table_dtype=table_dtype)
+    with torch.no_grad():
+        layer.tables.normal_(0, 0.5)
+        layer.bias.normal_(0, 0.5)
+    return torch.nn.Sequential(layer)
+
+
+def layer_input(seed: int, tokens: int = 37) -> torch.Tensor:
+    return torch.randn(tokens, 40, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam_rowwise"])
+def test_update_in_the_backward_equals_the_rule_on_the_whole_gradient(kernel, rule, monkeypatch):
+    """The Memory Layer's backward updates its tables group by group (here groups of 3 of its 10 tables: 3, 3, 3, 1)
+    and never holds their whole gradient; the result equals the rule applied to the whole gradient of the reference
+    lookup in float64, the input and bias gradients are those of the tables before the update, and `.grad` stays
+    None."""
+    require_kernel(kernel)
+    monkeypatch.setattr(memory_ops, "UPDATE_GROUP_BYTES", 3 * 16 * 24 * 4)  # 3 tables of 16 rows x 24 float32
+    net = memory_layer_net(0)
+    layer = net[0]
+    w0 = layer.tables.detach().clone()
+    optimizer = TableAdamW(table_param_groups(net, rule, 0.1), lr=0.05, betas=(0.9, 0.95))
+    seen = []
+    update = getattr(layer.tables, memory_ops.TABLE_UPDATE_ATTR)
+    original = update.optimizer.update_rows
+
+    def recording(param, grad, start, stop, group):
+        seen.append((start, stop, tuple(grad.shape)))
+        original(param, grad, start, stop, group)
+
+    monkeypatch.setattr(update.optimizer, "update_rows", recording)
+    reference_w, reference_m, reference_v = w0.double(), None, None
+    state = torch.zeros(w0.shape[0], dtype=torch.float64)
+    for step in (1, 2):
+        x = layer_input(step).requires_grad_()
+        # the oracle: the equations in float64 on the tables as they are before this step
+        xr = x.detach().double().requires_grad_()
+        tr = reference_w.clone().requires_grad_()
+        br = layer.bias.detach().double().requires_grad_()
+        yr = memory_ops.memory_lookup_reference(xr, tr, br, 4)
+        (yr.square().sum() / 7).backward()
+        with memory_ops.use_kernel(kernel):
+            (net(x).square().sum() / 7).backward()
+        assert layer.tables.grad is None
+        torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.bias.grad.double(), br.grad, rtol=1e-5, atol=1e-5)
+        g = tr.grad
+        if rule == "rowwise_adagrad":
+            state += g.square().mean(1)
+            reference_w = reference_w * (1 - 0.05 * 0.1) - 0.05 * g / (state.sqrt() + 1e-8).unsqueeze(1)
+        else:
+            reference_m = 0.1 * g if reference_m is None else 0.9 * reference_m + 0.1 * g
+            reference_v = 0.05 * g.square().mean(1) if reference_v is None else (
+                0.95 * reference_v + 0.05 * g.square().mean(1))
+            step_size = (reference_m / (1 - 0.9**step)) / ((reference_v / (1 - 0.95**step)).sqrt() + 1e-8).unsqueeze(1)
+            reference_w = reference_w * (1 - 0.05 * 0.1) - 0.05 * step_size
+        torch.testing.assert_close(layer.tables.detach().double(), reference_w, rtol=1e-4, atol=1e-5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert seen[:4] == [(0, 48, (48, 24)), (48, 96, (48, 24)), (96, 144, (48, 24)), (144, 160, (16, 24))]
+    assert len(seen) == 8  # 4 groups per step, none the whole 160-row table
+
+
+def test_a_second_backward_before_step_is_refused_and_copies_are_not_updated():
+    net = memory_layer_net(1)
+    optimizer = TableAdamW(table_param_groups(net, "rowwise_adagrad", 0.0), lr=0.1)
+    net(layer_input(0)).sum().backward()
+    with pytest.raises(RuntimeError, match="updated twice before optimizer.step"):
+        net(layer_input(1)).sum().backward()
+    optimizer.step()
+    copied = copy.deepcopy(net)  # copies the attached update, which still names the original's tables
+    before = net[0].tables.detach().clone()
+    copied(layer_input(2)).sum().backward()
+    assert copied[0].tables.grad is not None  # a plain gradient, nobody updated the copy's tables
+    assert torch.equal(net[0].tables.detach(), before)
+    optimizer.remove_hooks()
+    net(layer_input(3)).sum().backward()
+    assert net[0].tables.grad is not None
+
+
+def test_bf16_tables_are_updated_in_the_backward_from_float32_gradients(monkeypatch):
+    """bfloat16 tables: the group gradients are float32 (the lookup sums in float32) and each update lands within
+    one bfloat16 step of the float32 rule's result (stochastic rounding)."""
+    monkeypatch.setattr(memory_ops, "UPDATE_GROUP_BYTES", 4 * 16 * 24 * 4)
+    net = memory_layer_net(2, table_dtype="bfloat16")
+    tables = net[0].tables
+    assert tables.dtype == torch.bfloat16
+    grads = []
+    update = getattr(tables, memory_ops.TABLE_UPDATE_ATTR) if hasattr(tables, memory_ops.TABLE_UPDATE_ATTR) else None
+    assert update is None
+    optimizer = TableAdamW(table_param_groups(net, "rowwise_adagrad", 0.0), lr=0.05)
+    original = optimizer.update_rows
+
+    def recording(param, grad, start, stop, group):
+        grads.append(grad.dtype)
+        original(param, grad, start, stop, group)
+
+    monkeypatch.setattr(optimizer, "update_rows", recording)
+    w0 = tables.detach().float().clone()
+    x = layer_input(5)
+    reference = w0.clone().requires_grad_()
+    memory_ops.memory_lookup_reference(x, reference, net[0].bias.detach(), 4).sum().backward()
+    g = reference.grad
+    expected = w0 - 0.05 * g / (g.square().mean(1).sqrt() + 1e-8).unsqueeze(1)
+    net(x).sum().backward()
+    assert set(grads) == {torch.float32} and len(grads) == 3
+    ulp = expected.abs().clamp_min(1e-30) * 2.0**-7
+    assert bool(((tables.detach().float() - expected).abs() <= ulp + 1e-6).all())
+
+
 def saved_and_loaded(state_dict: dict) -> dict:
     """Through a file, as a checkpoint's optimizer.pt (loaded in place, AdamW would share its step tensors)."""
     buffer = io.BytesIO()

@@ -8,7 +8,10 @@ Sections (`--sections`, all by default):
   int8 head, bf16 tables + bf16 head, and the float32 Pythia-70M twin (random init, same shape as model_bench's).
 - layer: one Memory Layer's forward on 2048 tokens under inference_mode, float32 tables [fused] and [torch] against
   int8 tables: a d 512 -> 512 layer (tau 8, 64 x 256 rows) and MF-tiny's Q/K/V (512 -> 1536) and Memory Block
-  layer 2 (640 -> 512, tau 10, 64 x 1024 rows).
+  layer 2 (640 -> 512, tau 10, 64 x 1024 rows). Then the two CPU passes of int8 tables, each forced
+  (`quantization.FORCE_INT8_PATH`), against float32 tables [fused]: an MF-tiny-like layer 512 -> d (64 tables x 256
+  rows) for d in `--path-widths` (512 768) over `--path-tokens` (1 4 16 64 256 2048), with the pass
+  `quantization.int8_cpu_path` picks for each token count.
 - quality: trains the demo's MemoryFormer (d 256, 4 layers, 4 heads, tau 8, e 2) for `--train-steps` steps of 8 x 128
   tokens with the paper's recipe on the embedded CPython docs (or `--data` / `--tokenizer`), then the validation
   perplexity (held-out blocks, `blocks_perplexity`) of that model in float32, bf16 tables (+ bf16 head), int8 tables
@@ -48,6 +51,8 @@ VARIANTS = [
     ("int8 tables + int8 head", "int8", "int8"),
 ]
 DEMO_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, hash_bits=8, expand_bits=2)
+PATH_TOKENS = (1, 4, 16, 64, 256, 2048)
+PATH_WIDTHS = (512, 768)
 LAYERS = [  # (label, in_features, out_features, hash_bits)
     ("d 512 -> 512, tau 8 (64 x 256 rows)", 512, 512, 8),
     ("MF-tiny Q/K/V 512 -> 1536, tau 8", 512, 1536, 8),
@@ -152,7 +157,50 @@ def bench_layer(args) -> dict:
         int8_bytes = int8.tables_codes.shape[0] * (d_out + 8)
         results.append({"layer": label, "tokens": args.layer_tokens, "table_bytes": {"float32": float_bytes,
                         "int8": int8_bytes}, "rows": rows})
-    return {"layers": results}
+    return {"layers": results, "paths": bench_int8_paths(args)}
+
+
+@contextlib.contextmanager
+def _int8_path(path: str | None):
+    """Force quantization's int8 CPU pass ("fused" / "fbgemm") for the duration."""
+    from modeling_memoryformer import quantization
+
+    before = quantization.FORCE_INT8_PATH
+    quantization.FORCE_INT8_PATH = path
+    try:
+        yield
+    finally:
+        quantization.FORCE_INT8_PATH = before
+
+
+def bench_int8_paths(args) -> list[dict]:
+    """int8 tables by each CPU pass, and float32 tables [fused], per token count: a 512 -> d layer, 64 x 256 rows."""
+    from modeling_memoryformer import MemoryLayer
+    from modeling_memoryformer.memory_ops import available_kernels
+    from modeling_memoryformer.quantization import int8_cpu_path
+
+    if "fused" not in available_kernels():
+        return []
+    results = []
+    for d_out in args.path_widths:
+        torch.manual_seed(0)
+        layer = MemoryLayer(512, d_out, hash_bits=8).eval()
+        int8 = copy.deepcopy(layer).quantize_tables_("int8")
+        for tokens in args.path_tokens:
+            x = torch.randn(tokens, 512)
+            contestants = []
+            for path in ("fused", "fbgemm"):
+                def context(path=path):
+                    stack = _inference("fused")()
+                    stack.enter_context(_int8_path(path))
+                    return stack
+
+                contestants.append(Contestant(f"int8 {path}", lambda m=int8, x=x: m(x), context=context))
+            contestants.append(Contestant("float32 fused", lambda m=layer, x=x: m(x), context=_inference("fused")))
+            rows = _timed(contestants, args, f"int8 paths d {d_out}, {tokens} tokens", 1.0)
+            results.append({"in_features": 512, "out_features": d_out, "tables": "64 x 256", "tokens": tokens,
+                            "rule": int8_cpu_path(tokens), "rows": rows})
+    return results
 
 
 def bench_quality(args) -> dict:
@@ -231,7 +279,8 @@ def markdown(results: dict) -> str:
         lines.append("")
     if "layer" in results:
         lines += _measured_on(results["layer"])
-        lines += ["Memory Layer forward, 2048 tokens (ms, median):", "",
+        tokens = results["layer"]["layers"][0].get("tokens", 2048)
+        lines += [f"Memory Layer forward, {tokens} tokens (ms, median):", "",
                   "| layer | " + " | ".join(r["name"] for r in results["layer"]["layers"][0]["rows"]) +
                   " | float32 [fused] time / int8 time | other cores busy |",
                   "|---|" + "---|" * (len(results["layer"]["layers"][0]["rows"]) + 2)]
@@ -244,6 +293,22 @@ def markdown(results: dict) -> str:
             busy = max(r["other_cores"] or 0 for r in layer["rows"])
             lines.append(f"| {layer['layer']} | " + " | ".join(cells) + f" | {ratio} | up to {busy:.2f} |")
         lines.append("")
+        paths = results["layer"].get("paths") or []
+        if paths:
+            lines += ["int8 tables by each CPU pass against float32 tables [fused]: Memory Layer 512 -> d, 64 tables x "
+                      "256 rows, forward (ms, median; best sample in brackets):", "",
+                      "| d | tokens | int8, fused kernel | int8, FBGEMM | float32, fused kernel | FBGEMM time / fused "
+                      "time | the rule picks | other cores busy |", "|---|---|---|---|---|---|---|---|"]
+            for cell in paths:
+                times = {r["name"]: r["seconds"] for r in cell["rows"] if "seconds" in r}
+                cells = [f"{times[n]['median'] * 1e3:.4f} ({times[n]['min'] * 1e3:.4f})" if n in times else "failed"
+                         for n in ("int8 fused", "int8 fbgemm", "float32 fused")]
+                ratio = (f"{times['int8 fbgemm']['median'] / times['int8 fused']['median']:.2f}x"
+                         if "int8 fused" in times and "int8 fbgemm" in times else "-")
+                busy = max(r["other_cores"] or 0 for r in cell["rows"])
+                lines.append(f"| {cell['out_features']} | {cell['tokens']} | " + " | ".join(cells) +
+                             f" | {ratio} | {cell['rule']} | {busy:.2f} |")
+            lines.append("")
     if "quality" in results:
         q = results["quality"]
         lines += _measured_on(q)
@@ -264,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-sample-s", type=float, default=0.2, help="calls per timed sample last at least this")
     parser.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per generate call")
     parser.add_argument("--layer-tokens", type=int, default=2048)
+    parser.add_argument("--path-tokens", type=int, nargs="+", default=list(PATH_TOKENS),
+                        help="layer: token counts of the int8 pass comparison")
+    parser.add_argument("--path-widths", type=int, nargs="+", default=list(PATH_WIDTHS),
+                        help="layer: output widths d of the int8 pass comparison (512 -> d, 64 x 256 rows)")
     parser.add_argument("--train-steps", type=int, default=400, help="quality: steps of the demo model's training")
     parser.add_argument("--data", default=None, help="quality: text (default: the embedded CPython docs)")
     parser.add_argument("--tokenizer", default=None, help="quality: tokenizer (default: a byte-level BPE trained on it)")

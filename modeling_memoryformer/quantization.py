@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .memory_ops import hashed_rows
+from .memory_ops import _use_fused, hashed_rows
 
 
 INT8_ROW_BYTES = 8  # the float32 scale and offset after each row's codes
@@ -137,6 +137,26 @@ def refuse_backward(y: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], wh
     return y
 
 
+# Which CPU pass reads an assembled int8 block: the fused kernel's `int8_lookup` (token-major: per token, its K rows'
+# codes converted to float in registers, weighted by score * scale, the offsets summed once per token) or PyTorch's
+# 8-bit row-wise embedding bag (FBGEMM's JIT-generated kernel). Measured on the 2-vCPU AMD EPYC Zen 4 (L2 1 MB, L3
+# 32 MB), 64 tables x 256 rows, lookup alone (ms, medians; benchmarks/results/quant, `--sections layer`):
+#   FILLED IN BELOW
+INT8_FUSED_MAX_TOKENS = 4
+INT8_PATHS = ("fused", "fbgemm")
+FORCE_INT8_PATH: str | None = None  # "fused" or "fbgemm" forces one path where both can run (benchmarks, tests)
+
+
+def int8_cpu_path(tokens: int) -> str:
+    """The pass for `tokens` lookups of K rows on an assembled CPU block with the fused kernel in use: "fused" up to
+    INT8_FUSED_MAX_TOKENS tokens, "fbgemm" beyond (see the figures above); FORCE_INT8_PATH overrides."""
+    if FORCE_INT8_PATH is not None:
+        if FORCE_INT8_PATH not in INT8_PATHS:
+            raise ValueError(f"FORCE_INT8_PATH must be one of {INT8_PATHS} or None, got {FORCE_INT8_PATH!r}.")
+        return FORCE_INT8_PATH
+    return "fused" if tokens <= INT8_FUSED_MAX_TOKENS else "fbgemm"
+
+
 def int8_lookup(
     rows: torch.Tensor,
     scores: torch.Tensor,
@@ -149,17 +169,24 @@ def int8_lookup(
 ) -> torch.Tensor:
     """sum_k scores[..., k] * (codes * scale + offset)[rows[..., k]] (+ bias), summed in float32, returned in `dtype`.
 
-    rows, scores: [..., K] (rows index the [R, d] table directly) -> [..., d]. On the CPU with the tables assembled
-    (`block`, found by `int8_block` when not given), PyTorch's 8-bit row-wise embedding bag (FBGEMM) reads the codes
-    and dequantises in registers; otherwise the rows are dequantised in PyTorch: the K rows of every token, or the
-    whole table when that is smaller.
+    rows, scores: [..., K] (rows[..., k] index table k of the [R, d] table) -> [..., d]. On the CPU with the tables
+    assembled (`block`, found by `int8_block` when not given), a pass that reads the codes and dequantises in
+    registers: the fused kernel's `int8_lookup` for few tokens when that kernel is in use, else PyTorch's 8-bit
+    row-wise embedding bag (FBGEMM; see `int8_cpu_path`); otherwise the rows are dequantised in PyTorch: the K rows of
+    every token, or the whole table when that is smaller.
     """
     lead, num_tables = rows.shape[:-1], rows.shape[-1]
     flat_rows = rows.reshape(-1, num_tables)
     weights = scores.reshape(-1, num_tables).to(torch.float32)
     if block is None and codes.device.type == "cpu":
         block = int8_block(codes, scale, offset)
-    if block is not None:
+    fused = block is not None and _use_fused(block) and int8_cpu_path(flat_rows.shape[0]) == "fused"
+    if fused:  # the bias is added in the kernel
+        y = torch.ops.memoryformer_cpu.int8_lookup(
+            flat_rows.contiguous(), weights.detach(), block, None if bias is None else bias.detach(),
+            codes.shape[0] // num_tables,
+        )
+    elif block is not None:
         y = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
             block,
             flat_rows,  # [tokens, K]: one bag of K rows per token
@@ -175,7 +202,7 @@ def int8_lookup(
         y = (weights.unsqueeze(-1) * dequantize_int8(codes, scale, offset, flat_rows)).sum(-2)
     else:
         y = F.embedding_bag(flat_rows, dequantize_int8(codes, scale, offset), per_sample_weights=weights, mode="sum")
-    if bias is not None:
+    if bias is not None and not fused:
         y = y.add_(bias) if block is not None else y + bias.to(torch.float32)
     y = refuse_backward(y.to(dtype), (scores, bias), "int8 tables")
     return y.reshape(*lead, codes.shape[1])

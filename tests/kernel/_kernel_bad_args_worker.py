@@ -280,6 +280,68 @@ def group_lookup(ops, c: Calls) -> None:
           lambda out: _close(out, bias.expand(N, D), 0))
 
 
+def _int8_block(tables: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's row-wise layout of float tables [R, D]: uint8 [R, D + 8], the codes then float32 scale and offset."""
+    return torch.ops.quantized.embedding_bag_byte_prepack(tables.contiguous())
+
+
+def _reference_int8_lookup(rows, scores, packed, bias):
+    """sum_k scores * (q * scale + offset)[rows] (+ bias) in float64, the formula read from the bytes."""
+    d = packed.shape[1] - 8
+    scale = packed[:, d : d + 4].contiguous().view(torch.float32).double()
+    offset = packed[:, d + 4 :].contiguous().view(torch.float32).double()
+    values = packed[:, :d].double() * scale + offset
+    y = (scores.double()[..., None] * values[rows]).sum(-2)
+    return y if bias is None else y + bias.double()
+
+
+def group_int8_lookup(ops, c: Calls) -> None:
+    rows, scores, tables, bias = _lookup_operands(8)
+    packed = _int8_block(tables)
+    lk = ops.int8_lookup
+
+    def ref(rows, scores, packed, bias, tol=1e-5):
+        return lambda out: _close(out, _reference_int8_lookup(rows, scores, packed, bias), tol)
+
+    c.add("valid", "ok", lambda: lk(rows, scores, packed, bias, P), ref(rows, scores, packed, bias))
+    c.add("valid, no bias", "ok", lambda: lk(rows, scores, packed, None, P), ref(rows, scores, packed, None))
+    c.add("1 token", "ok", lambda: lk(rows[:1], scores[:1], packed, bias, P), ref(rows[:1], scores[:1], packed, bias))
+    c.add("0 tokens", "ok", lambda: lk(rows[:0], scores[:0], packed, bias, P), ref(rows[:0], scores[:0], packed, bias))
+    big = _lookup_operands(9, n=100, d=300)  # 300 columns: whole spans and a ragged one on every vector width
+    big_packed = _int8_block(big[2])
+    c.add("100 tokens, 300 columns", "ok", lambda: lk(big[0], big[1], big_packed, big[3], P),
+          ref(big[0], big[1], big_packed, big[3]))
+    for dtype in (torch.bfloat16, torch.float64):
+        c.add(f"bias {dtype}", "ok", lambda dtype=dtype: lk(rows, scores, packed, bias.to(dtype), P),
+              ref(rows, scores, packed, bias.to(dtype).float()))
+        c.add(f"scores {dtype}", "ok", lambda dtype=dtype: lk(rows, scores.to(dtype), packed, bias, P),
+              ref(rows, scores.to(dtype).float(), packed, bias))
+
+    def call(r, s, t, b, p):  # the malformed tables of the float lookups, given as the int8 block
+        return lk(r, s, t, b, p)
+
+    _malformed_lookup_args(c, call, rows, scores, packed, bias)
+    _malformed_bias(c, lambda r, s, t, b, p: lk(r, s, packed, b, p), rows, scores, tables)
+    c.add("packed float32 (the float tables)", "raise", lambda: lk(rows, scores, tables, bias, P))
+    c.add("packed int8 (signed)", "raise", lambda: lk(rows, scores, packed.view(torch.int8), bias, P))
+    c.add("packed narrower than 8 bytes", "raise", lambda: lk(rows, scores, packed[:, :7].contiguous(), None, P))
+    c.add("packed of 8 bytes, bias of 1 (once read past it)", "raise",
+          lambda: lk(rows, scores, packed[:, -8:].contiguous(), torch.zeros(1), P))
+    c.add("packed one row short", "raise", lambda: lk(rows, scores, packed[:-1].contiguous(), bias, P))
+    c.add("scores 0-D", "raise", lambda: lk(rows, torch.tensor(1.0), packed, bias, P))
+
+    c.add("packed of 0 columns (8 bytes a row)", "either", lambda: lk(rows, scores, packed[:, -8:].contiguous(), None, P),
+          lambda out: None if out.shape == (N, 0) else f"shape {tuple(out.shape)}")
+    c.add("packed non-contiguous", "either", lambda: lk(rows, scores, packed.t().contiguous().t(), bias, P),
+          ref(rows, scores, packed, bias))
+    rt = rows.t().contiguous().t()
+    c.add("rows non-contiguous", "either", lambda: lk(rt, scores, packed, bias, P), ref(rows, scores, packed, bias))
+    st = scores.t().contiguous().t()
+    c.add("scores non-contiguous", "either", lambda: lk(rows, st, packed, bias, P), ref(rows, scores, packed, bias))
+    bt = torch.stack([bias, bias], 1)[:, 0]
+    c.add("bias non-contiguous", "either", lambda: lk(rows, scores, packed, bt, P), ref(rows, scores, packed, bias))
+
+
 def group_lookup_strategy(ops, c: Calls) -> None:
     rows, scores, tables, bias = _lookup_operands(4, n=100, d=32)  # width 32: a whole column block of the packed pass
 
@@ -517,6 +579,7 @@ REQUIRED_OPS = {  # the ops a group calls; a kernel without one of them fails th
     "lookup": ("lookup",),
     "lookup_strategy": ("lookup_strategy",),
     "lookup_backward": ("lookup_backward",),
+    "int8_lookup": ("int8_lookup",),
     "planning": ("isa", "machine_info", "set_cache_sizes", "plan", "release_gradient_pool"),
     "linear_rows": ("linear_rows", "linear_rows_max"),
     "table_steps": ("rowwise_adagrad_step", "adam_rowwise_step"),
@@ -528,6 +591,7 @@ GROUPS = {
     "lookup": group_lookup,
     "lookup_strategy": group_lookup_strategy,
     "lookup_backward": group_lookup_backward,
+    "int8_lookup": group_int8_lookup,
     "planning": group_planning,
     "linear_rows": group_linear_rows,
     "table_steps": group_table_steps,

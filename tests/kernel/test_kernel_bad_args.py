@@ -1,8 +1,8 @@
 """The fused kernel's ops never crash on bad arguments.
 
-Every op gets a table of malformed calls (wrong dims and dtypes, mismatched rows / scores / tables / bias / grad_out,
-rows out of range or in another table's range, bad rows_per_table, hash_bits, temperatures and strategies, cache sizes
-and plan arguments) and of valid edge cases (0 tokens, other dtypes). The calls of one op group run in one child
+Every op gets a table of malformed calls (wrong dims and dtypes, mismatched rows / scores / tables (float or the int8
+block) / bias / grad_out, rows out of range or in another table's range, bad rows_per_table, hash_bits, temperatures
+and strategies, cache sizes and plan arguments) and of valid edge cases (0 tokens, other dtypes). The calls of one op group run in one child
 process (_kernel_bad_args_worker.py) that prints each call's name before making it, so a crash (SIGSEGV, SIGFPE,
 abort) fails the test naming the call that killed it; the group is then run again without the calls already made, so
 one test run finds every crash. A malformed call must raise (TORCH_CHECK's RuntimeError, or ValueError / IndexError);
@@ -28,8 +28,8 @@ from modeling_memoryformer import memory_ops
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernel_bad_args_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GROUPS = ("hash", "hash_backward", "lookup", "lookup_strategy", "lookup_backward", "planning", "linear_rows",
-          "table_steps")
+GROUPS = ("hash", "hash_backward", "lookup", "lookup_strategy", "lookup_backward", "int8_lookup", "planning",
+          "linear_rows", "table_steps")
 
 
 def _describe_exit(code: int) -> str:

@@ -16,13 +16,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY, tiny_config, tiny_model
+from conftest import TINY, require_kernel, tiny_config, tiny_model
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM, MemoryFormerModel, MemoryLayer
-from modeling_memoryformer import quantization
+from modeling_memoryformer import memory_ops, quantization
 from modeling_memoryformer.quantization import (
     Int8LMHead,
+    INT8_FUSED_MAX_TOKENS,
     bf16_linear,
     int8_block,
+    int8_cpu_path,
     int8_lookup,
     int8_views,
     quantize_int8_rows,
@@ -140,7 +142,7 @@ def test_int8_tables_are_views_of_one_block_in_the_embedding_bag_layout():
 # The Memory Layer
 
 
-@pytest.mark.parametrize("tokens", [1, 37, 700])
+@pytest.mark.parametrize("tokens", [1, INT8_FUSED_MAX_TOKENS, INT8_FUSED_MAX_TOKENS + 1, 37, 700])
 def test_int8_layer_matches_the_float64_oracle_on_its_dequantised_tables(kernel, tokens):
     _, layer = int8_layer()
     x = away_from_zero((tokens, 16))
@@ -177,6 +179,107 @@ def test_the_dequantising_path_of_other_devices_matches_the_embedding_bag():
                            torch.float32)
         plain = int8_lookup(rows, scores, codes, scale, offset, layer.bias, torch.float32)
         torch.testing.assert_close(plain, fast, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The CPU passes over the assembled block: the fused kernel's int8_lookup and FBGEMM's 8-bit embedding bag
+
+
+def packed_block(rows: int, d: int, seed: int) -> torch.Tensor:
+    """A [rows, d + 8] block in the row-wise layout, written byte by byte (any d, also not a multiple of 4, so the
+    scale and offset can sit unaligned): random codes, scales of several magnitudes, offsets of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, d), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, generator=g) * torch.logspace(-3, 0, rows) + 1e-4
+    offset = -128 * scale * (1 + 0.5 * torch.randn(rows, generator=g))
+    return torch.cat([codes, scale.view(torch.uint8).reshape(rows, 4), offset.view(torch.uint8).reshape(rows, 4)], 1)
+
+
+def int8_formula(rows, scores, packed, bias):
+    """(sum_k s * (q * scale + offset)[row] (+ b), the same sum over absolute values), float64, from the bytes."""
+    d = packed.shape[1] - 8
+    scale = packed[:, d : d + 4].contiguous().view(torch.float32).double()
+    offset = packed[:, d + 4 :].contiguous().view(torch.float32).double()
+    codes = packed[:, :d].double()
+    values = codes * scale + offset
+    magnitudes = codes * scale.abs() + offset.abs()
+    s = scores.double()[..., None]
+    y, size = (s * values[rows]).sum(-2), (s.abs() * magnitudes[rows]).sum(-2)
+    if bias is not None:
+        y, size = y + bias.double(), size + bias.double().abs()
+    return y, size
+
+
+INT8_SHAPES = [  # (tokens, tables, rows per table, d): one token, spans whole and ragged on every vector width
+    (1, 4, 16, 24),
+    (1, 64, 256, 512),
+    (3, 3, 8, 300),
+    (5, 4, 16, 30),  # d not a multiple of 4: the scale and offset are unaligned
+    (37, 4, 16, 100),
+    (130, 8, 16, 776),
+]
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("tokens, tables, per_table, d", INT8_SHAPES)
+def test_fused_int8_lookup_matches_the_float64_formula_and_fbgemm(tokens, tables, per_table, d, with_bias):
+    require_kernel("fused")
+    g = torch.Generator().manual_seed(tokens * 1000 + d)
+    packed = packed_block(tables * per_table, d, seed=d)
+    rows = torch.randint(0, per_table, (tokens, tables), generator=g) + torch.arange(tables) * per_table
+    scores = torch.rand(tokens, tables, generator=g) * 2 - 0.5  # negative weights too
+    bias = torch.randn(d, generator=g) if with_bias else None
+    expected, size = int8_formula(rows, scores, packed, bias)
+    fused = torch.ops.memoryformer_cpu.int8_lookup(rows, scores, packed, bias, per_table)
+    assert fused.dtype == torch.float32 and fused.shape == (tokens, d)
+    assert bool(((fused.double() - expected).abs() <= 1e-6 * size + 1e-7).all())
+    fbgemm = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(packed, rows, None, False, 0, False, scores, None,
+                                                                    False)
+    if bias is not None:
+        fbgemm = fbgemm + bias
+    assert bool(((fused.double() - fbgemm.double()).abs() <= 2e-6 * size + 2e-7).all())
+
+
+def test_the_rule_takes_the_fused_pass_for_few_tokens_and_fbgemm_beyond(monkeypatch):
+    """int8_cpu_path says "fused" up to INT8_FUSED_MAX_TOKENS tokens, and int8_lookup calls exactly that op."""
+    require_kernel("fused")
+    assert [int8_cpu_path(n) for n in (1, INT8_FUSED_MAX_TOKENS, INT8_FUSED_MAX_TOKENS + 1, 2048)] == [
+        "fused", "fused", "fbgemm", "fbgemm"]
+    _, layer = int8_layer()
+    calls = []
+    for namespace, name in ((torch.ops.memoryformer_cpu, "int8_lookup"),
+                            (torch.ops.quantized, "embedding_bag_byte_rowwise_offsets")):
+        real = getattr(namespace, name)
+        monkeypatch.setattr(namespace, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    tables64 = dequantized_int8(layer.tables_codes, layer.tables_scale, layer.tables_offset)
+    with memory_ops.use_kernel("fused"), torch.no_grad():
+        for tokens in (1, INT8_FUSED_MAX_TOKENS, INT8_FUSED_MAX_TOKENS + 1, 300):
+            calls.clear()
+            x = away_from_zero((tokens, 16), seed=tokens)
+            y = layer(x)
+            want = "int8_lookup" if tokens <= INT8_FUSED_MAX_TOKENS else "embedding_bag_byte_rowwise_offsets"
+            assert calls == [want], (tokens, calls)
+            expected = layer_oracle(x, tables64, layer.bias)[0]
+            torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    with memory_ops.use_kernel("torch"), torch.no_grad():  # without the fused kernel: FBGEMM for any token count
+        layer(away_from_zero((1, 16)))
+    assert calls == ["embedding_bag_byte_rowwise_offsets"]
+
+
+@pytest.mark.parametrize("path", ["fused", "fbgemm"])
+def test_a_forced_int8_path_is_taken_at_any_token_count(monkeypatch, path):
+    require_kernel("fused")
+    monkeypatch.setattr(quantization, "FORCE_INT8_PATH", path)
+    assert int8_cpu_path(1) == int8_cpu_path(4096) == path
+    _, layer = int8_layer()
+    x = away_from_zero((300, 16), seed=3)
+    tables64 = dequantized_int8(layer.tables_codes, layer.tables_scale, layer.tables_offset)
+    with memory_ops.use_kernel("fused"), torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), layer_oracle(x, tables64, layer.bias)[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(quantization, "FORCE_INT8_PATH", "fast")
+    with pytest.raises(ValueError, match=r"FORCE_INT8_PATH must be one of \('fused', 'fbgemm'\) or None, got 'fast'"):
+        int8_cpu_path(1)
 
 
 def test_a_loaded_int8_layer_is_assembled_into_one_block_on_first_use():

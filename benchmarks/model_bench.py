@@ -170,7 +170,7 @@ def memory_estimate(info: dict, workload: str, spec: ModelSpec) -> tuple[int, st
         tables = info.get("table_params", 0) if spec.table_optimizer != "adamw" else 0
         if tables:
             # tables: fp32 weights (+ a first moment for adam_rowwise) and one layer's gradient at a time; the rest AdamW
-            per_table = 8 if spec.table_optimizer == "adam_rowwise" else 4
+            per_table = 8 if spec.table_optimizer.startswith("adam_") else 4
             need = 16 * (info["params"] - tables) + per_table * tables + 4 * tables // layers + activations + runtime
             how = (f"16 B/param x {(info['params'] - tables) / 1e9:.2f} B dense params + {per_table} B/param x "
                    f"{tables / 1e9:.2f} B table params ({spec.table_optimizer}) + ~{activations / GB:.1f} GB activations")

@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from modeling_memoryformer.training import TABLE_OPTIMIZERS
+
 from .common import REPO_ROOT, environment
 
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -63,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
     g.add_argument("--rss-workloads", nargs="+", choices=("prefill", "decode", "train"),
                    help="workloads whose peak memory is measured (default: all run; quick: prefill)")
-    g.add_argument("--table-optimizer", choices=("adamw", "rowwise_adagrad", "adam_rowwise"),
+    g.add_argument("--table-optimizer", choices=TABLE_OPTIMIZERS,
                    help="the MemoryFormer tables' optimizer in training (default adamw; see memoryformer train)")
     return p.parse_args(argv)
 

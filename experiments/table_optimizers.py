@@ -41,17 +41,22 @@ from modeling_memoryformer.training.trainer import (
 DEMO_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, hash_bits=8, expand_bits=2)
 
 
-def parse_variant(text: str) -> tuple[str, float]:
-    """"rule" or "rule:multiplier" (the table rule's learning rate over the run's) -> (rule, multiplier)."""
+def parse_variant(text: str) -> tuple[str, float, str | None]:
+    """"rule", "rule:multiplier" (the table rule's learning rate over the run's), either followed by "@bfloat16"
+    (tables stored in bfloat16) -> (rule, multiplier, table dtype or None)."""
+    text, _, table_dtype = text.partition("@")
+    if table_dtype not in ("", "bfloat16"):
+        raise argparse.ArgumentTypeError(f"the table dtype after '@' must be bfloat16, got {table_dtype!r}")
     name, _, multiplier = text.partition(":")
     if name not in TABLE_OPTIMIZERS:
         raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(TABLE_OPTIMIZERS)}")
-    return name, float(multiplier) if multiplier else 1.0
+    return name, float(multiplier) if multiplier else 1.0, table_dtype or None
 
 
 def run_variant(data, variant: str, args) -> dict:
-    table_optimizer, table_lr_multiplier = parse_variant(variant)
+    table_optimizer, table_lr_multiplier, table_dtype = parse_variant(variant)
     config = config_for_tokenizer(data.tokenizer, args.preset, DEMO_SHAPE, args.block_size)
+    config.table_dtype = table_dtype
     set_seed(args.seed)
     model = MemoryFormerForCausalLM(config)
     lr = default_learning_rate(model, lr_multiplier=args.lr_multiplier)
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-multiplier", type=float, default=None, help="default: 3, the paper's rule")
     parser.add_argument("--optimizers", nargs="+", default=list(TABLE_OPTIMIZERS),
                         help="table optimizers, each 'rule' or 'rule:multiplier' (its learning rate over the run's, "
-                        "e.g. rowwise_adagrad:3)")
+                        "e.g. rowwise_adagrad:3), either with '@bfloat16' for tables stored in bfloat16")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="gradient clipping (the recipe's 1.0; it covers the dense parameters only under a table "
                         "rule; a huge value such as 1e9 turns it off)")

@@ -7,4 +7,5 @@
 """
 
 # The choices of `--table-optimizer`, here so that the command line reads them without importing torch.
-TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad", "adam_rowwise")  # adamw: the tables in AdamW like every parameter
+# adamw: the tables in AdamW like every parameter.
+TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad", "adam_rowwise", "adam_blockwise")

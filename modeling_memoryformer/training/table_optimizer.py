@@ -43,6 +43,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..memory_ops import TABLE_UPDATE_ATTR
@@ -94,11 +95,36 @@ def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: 
     _store(weight, w)
 
 
+STATE_BLOCK = 64  # columns per second moment of adam_blockwise (a head's width in the attention's tables)
+
+
+def second_moment_blocks(width: int, rule: str) -> int:
+    """Second moments per table row: 1 for adam_rowwise, one per STATE_BLOCK columns (the last block ragged) for
+    adam_blockwise."""
+    return -(-width // STATE_BLOCK) if rule == "adam_blockwise" else 1
+
+
+def _block_mean_square(grad: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[R, D] -> [R, blocks]: the mean of g^2 over each block of STATE_BLOCK columns (the last one over its own
+    columns)."""
+    rows, width = grad.shape
+    squares = grad.square()
+    padded = blocks * STATE_BLOCK
+    if padded != width:
+        squares = F.pad(squares, (0, padded - width))
+    sums = squares.view(rows, blocks, STATE_BLOCK).sum(-1)
+    counts = torch.full((blocks,), float(STATE_BLOCK), dtype=grad.dtype, device=grad.device)
+    counts[-1] = width - (blocks - 1) * STATE_BLOCK
+    return sums / counts
+
+
 def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """One step of Adam with a row-wise second moment, in place: exp_avg [R, D] and exp_avg_sq [R] in float32, `step`
-    the number of this step (1 for the first)."""
-    ops = _fused_step_ops(weight, grad, exp_avg, exp_avg_sq)
+    the number of this step (1 for the first). With exp_avg_sq [R, B] (adam_blockwise), one second moment per
+    STATE_BLOCK columns of a row instead."""
+    blockwise = exp_avg_sq.dim() == 2
+    ops = None if blockwise else _fused_step_ops(weight, grad, exp_avg, exp_avg_sq)
     if ops is not None:
         ops.adam_rowwise_step(weight, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps, weight_decay)
         return
@@ -109,10 +135,15 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(g.to(exp_avg.dtype), 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).add_(g.square().mean(dim=1).to(exp_avg_sq.dtype), alpha=1.0 - beta2)
+    mean_square = _block_mean_square(g, exp_avg_sq.shape[1]) if blockwise else g.square().mean(dim=1)
+    exp_avg_sq.mul_(beta2).add_(mean_square.to(exp_avg_sq.dtype), alpha=1.0 - beta2)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
-    denom = (exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps).unsqueeze(1)
+    denom = (exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps)
+    if blockwise:
+        denom = denom.repeat_interleave(STATE_BLOCK, dim=1)[:, : w.shape[1]]
+    else:
+        denom = denom.unsqueeze(1)
     w.addcdiv_(exp_avg.to(acc), denom, value=-lr / bias1)
     _store(weight, w)
 
@@ -253,7 +284,9 @@ class TableAdamW(torch.optim.AdamW):
                 state["sum"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
             else:
                 state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                state["exp_avg_sq"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
+                blocks = second_moment_blocks(param.shape[1], group["table_rule"])
+                shape = (rows, blocks) if group["table_rule"] == "adam_blockwise" else (rows,)
+                state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=param.device)
         state["step"] += 1
 
     @torch.no_grad()
@@ -360,10 +393,12 @@ def describe(rule: str) -> str:
         "adamw": "AdamW on every parameter (tables included): 8 bytes of moments per table value",
         "rowwise_adagrad": "row-wise AdaGrad on the tables, in the backward pass: 4 bytes of state per table row",
         "adam_rowwise": "Adam with a row-wise second moment on the tables, in the backward pass: 4 bytes per value",
+        "adam_blockwise": f"Adam with a second moment per {STATE_BLOCK} columns of a row, in the backward pass: "
+        f"4 bytes per value",
     }[rule]
 
 
-__all__ = ["TABLE_OPTIMIZERS", "TableAdamW", "adam_rowwise_update", "check_table_optimizer_setup", "describe",
+__all__ = ["STATE_BLOCK", "TABLE_OPTIMIZERS", "TableAdamW", "adam_rowwise_update", "check_table_optimizer_setup", "describe",
            "optimizer_state_bytes", "rowwise_adagrad_update", "stochastic_round_to_bf16", "table_param_groups",
            "table_parameters"]
 

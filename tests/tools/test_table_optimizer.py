@@ -90,6 +90,35 @@ def test_adam_rowwise_follows_its_formula(kernel):
     torch.testing.assert_close(v.double(), expected_v, rtol=1e-6, atol=1e-8)
 
 
+def test_adam_blockwise_keeps_one_second_moment_per_block_of_columns():
+    """70 columns: a block of STATE_BLOCK (64) and a ragged one of 6, each with its own second moment, against the
+    formula in float64; a TableAdamW group of that rule keeps [rows, 2] second moments."""
+    w0 = torch.randn(5, 70, generator=torch.Generator().manual_seed(4))
+    grads = random_grads((5, 70), 3, seed=5)
+    for g in grads:
+        g[:, 64:] *= 30.0  # the ragged block's gradients are far larger: one moment per row would mix them
+    w, m, v = w0.clone(), torch.zeros(5, 70), torch.zeros(5, 2)
+    for t, g in enumerate(grads, start=1):
+        adam_rowwise_update(w, g, m, v, t, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected = w0.double().clone()
+    em, ev = torch.zeros(5, 70, dtype=torch.float64), torch.zeros(5, 2, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        for r in range(5):
+            for b, cols in enumerate((slice(0, 64), slice(64, 70))):
+                ev[r, b] = 0.95 * ev[r, b] + 0.05 * (g[r, cols] ** 2).mean()
+                em[r, cols] = 0.9 * em[r, cols] + 0.1 * g[r, cols]
+                step = (em[r, cols] / (1 - 0.9**t)) / ((ev[r, b] / (1 - 0.95**t)).sqrt() + 1e-8)
+                expected[r, cols] = expected[r, cols] * (1 - 0.01 * 0.1) - 0.01 * step
+    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v.double(), ev, rtol=1e-6, atol=1e-8)
+    net = memory_layer_net(3)
+    optimizer = TableAdamW(table_param_groups(net, "adam_blockwise", 0.1), lr=0.01)
+    net(layer_input(0)).sum().backward()
+    optimizer.step()
+    assert optimizer.state[net[0].tables]["exp_avg_sq"].shape == (160, 1)  # 24 columns: one block
+
+
 def test_fused_and_torch_updates_agree_on_a_large_table():
     """512-wide rows split over the threads: the one-pass kernel against the PyTorch form, a few float32 roundings
     apart; and the kernel rejects what it cannot take, naming it."""

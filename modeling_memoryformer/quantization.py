@@ -13,8 +13,8 @@ q = round((v - min) / scale) in 0..255, then its float32 scale = (max - min) / 2
 
 and a Memory Layer's output is y = sum_k p(z_k) * (q_k * scale_k + offset_k) + b (paper eq. hash_proj), summed in
 float32. A layer keeps three tensors, `tables_codes` uint8 [R, d], `tables_scale` and `tables_offset` float32 [R]; on
-the CPU they are views of one [R, d + 8] block in that layout, so the PyTorch op reads them without a copy. On any
-other device, or while that block is not assembled, the rows are dequantised by the formula above (the PyTorch path
+the CPU they are views of one [R, d + 8] block in that layout, so the fused kernel's `int8_lookup` (few tokens) and
+the PyTorch op (more; see `int8_cpu_path`) read them without a copy. On any other device, or while that block is not assembled, the rows are dequantised by the formula above (the PyTorch path
 every device runs).
 
 The int8 LM head is per-row symmetric: `weight_int8` int8 [V, d] and `weight_scale` float32 [V], W ~ q * scale. On the
@@ -139,9 +139,18 @@ def refuse_backward(y: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], wh
 
 # Which CPU pass reads an assembled int8 block: the fused kernel's `int8_lookup` (token-major: per token, its K rows'
 # codes converted to float in registers, weighted by score * scale, the offsets summed once per token) or PyTorch's
-# 8-bit row-wise embedding bag (FBGEMM's JIT-generated kernel). Measured on the 2-vCPU AMD EPYC Zen 4 (L2 1 MB, L3
-# 32 MB), 64 tables x 256 rows, lookup alone (ms, medians; benchmarks/results/quant, `--sections layer`):
-#   FILLED IN BELOW
+# 8-bit row-wise embedding bag (FBGEMM's JIT-generated kernel). Measured on the 2-vCPU AMD EPYC Zen 4 (AVX-512, L2 1 MB
+# per core, L3 32 MB), a 512 -> d Memory Layer with 64 tables x 256 rows (8.5 MB of int8 tables at d=512), forward
+# with each pass forced, ms, medians of 5 round-robin samples (benchmarks/results/quant, `--sections layer`):
+#   d=512, tokens  1: fused 0.0268, FBGEMM 0.0306 (1.14x)    16: 0.0594 vs 0.0564 (0.95x)   256: 0.619 vs 0.396 (0.64x)
+#                  4:       0.0348,       0.0367 (1.05x)    64: 0.209  vs 0.158  (0.76x)  2048: 3.50  vs 2.55  (0.73x)
+#   d=768, tokens  1: 0.0280 vs 0.0311 (1.11x), 4: 0.0382 vs 0.0378 (0.99x); from 16 tokens FBGEMM is ahead.
+# The lookup alone (no hash) at one token: 7.7 vs 11.1 us at d=512, 5.8 vs 8.3 us at d=768, 9.6 vs 16.3 us for 64 x 1024
+# rows (34 MB, beyond the L3). A single token's lookup is 64 rows whose reads the fused pass issues at once (prefetched
+# 16 ahead) with no per-call setup; from a few tokens on, FBGEMM's kernel, which keeps a whole row's sums in registers
+# and splits the tokens over the threads, is faster. The crossover lies between 4 and 16 tokens on both widths; tables
+# beyond the L3 kept the one-token advantage and no measurement tied the crossover to the tables' size, so the rule is
+# a token count: decoding (one token per call, or a few) takes the fused pass, prefill and batches FBGEMM's.
 INT8_FUSED_MAX_TOKENS = 4
 INT8_PATHS = ("fused", "fbgemm")
 FORCE_INT8_PATH: str | None = None  # "fused" or "fbgemm" forces one path where both can run (benchmarks, tests)

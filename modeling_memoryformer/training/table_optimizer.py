@@ -11,30 +11,40 @@ decoupled weight decay w <- w - lr * wd * w (as `torch.optim.AdamW`, on every ro
 - ``adam_rowwise`` (Adam with a full first moment and a row-wise second moment: "partial row-wise Adam"):
       m <- b1 m + (1 - b1) g;   v_r <- b2 v_r + (1 - b2) mean_j g_rj^2;
       w <- w - lr * (m / (1 - b1^t)) / (sqrt(v_r / (1 - b2^t)) + eps)
+- ``adam_blockwise`` and ``adagrad_blockwise``: the same with one second moment (AdaGrad sum) per block of
+  STATE_BLOCK (64) columns of a row instead of one per row, so that the columns of a row (Q, K and V share the
+  attention's rows) are scaled apart.
 
 State per table parameter: rowwise_adagrad 4 bytes per row (0.2% of a 512-wide table); adam_rowwise 4 bytes per value
-plus 4 per row, half of AdamW's two moments.
+plus 4 per row, half of AdamW's two moments; adam_blockwise 4 bytes per value plus 4 per 64 values;
+adagrad_blockwise 4 bytes per 64 values (1.6% of the table).
 
 How it runs (`TableAdamW`): one optimizer object holds every parameter. The dense ones (embeddings, head, norms,
-biases) take AdamW in `step()` as usual. Each table gets a post-accumulate-grad hook: when autograd has finished the
-table's gradient, the hook applies the table rule at the group's current learning rate and frees the gradient, so
-at most one layer's table gradient exists at a time instead of all of them, and no moment the size of the tables is
-kept for rowwise_adagrad. The learning-rate schedule reaches the tables through their parameter group, like any
-group; the table states sit in `optimizer.state`, so `state_dict()` (the Trainer's optimizer.pt) holds them and a
-resumed run continues exactly.
+biases) take AdamW in `step()` as usual. The tables are updated inside the backward pass, fused into the Memory
+Layer's backward: the optimizer attaches an update to each table parameter (memory_ops.TABLE_UPDATE_ATTR), and the
+lookup's backward computes the table gradient one group of whole tables at a time (a quarter of the last-level
+cache: 8 MB on a 32 MB L3), takes that group's score gradient from the not yet updated rows, and hands the group to
+the rule at once. No tensor the size of the tables ever holds a gradient and `.grad` stays None; the rules are
+row-wise, so updating the rows group by group equals one update of the whole table. A table whose gradient arrives
+by another path (a `.grad` set by hand, or under torch.compile, which traces the plain lookup) is updated by a
+post-accumulate-grad hook or in `step()`, by the same rule. The learning-rate schedule reaches the tables through
+their parameter group, like any group; the table states sit in `optimizer.state`, so `state_dict()` (the Trainer's
+optimizer.pt) holds them and a resumed run continues exactly.
 
 Semantics that differ from AdamW on every parameter, by construction:
 - Gradient clipping: the global norm is only known after the whole backward, when the tables are already updated.
   Clipping (`max_grad_norm`) therefore covers the dense parameters, by their own global norm; the table updates are
-  not clipped. Both rules divide the gradient by a running root mean square of the row, so a large gradient cannot
-  make a large step (at most lr / sqrt(1 - b2) per value for adam_rowwise, lr for the first AdaGrad step).
+  not clipped. Every rule divides the gradient by a running root mean square of the row, so a large gradient cannot
+  make a large step (at most lr / sqrt(1 - b2) per value for the Adam rules, lr for the first AdaGrad step).
 - Gradient accumulation over micro-batches would apply an update per micro-batch: refused
   (`check_table_optimizer_setup`); use a larger batch instead.
-- Several processes (DDP): DDP's reducer would average a table's gradient only after its hook had updated the table
-  with the rank's own gradient, so the tables are kept out of DDP (`exclude_tables_from_ddp`) and each hook averages
-  its table's gradient over the ranks itself (an all-reduce with SUM, then a division: never gloo's AVG, see
-  `training.sharding`) before the update. Every rank then applies the same update to the same table, and the
-  run equals one process at the same global batch. One layer's table gradient is held at a time, as in one process.
+- A table updated twice before `step()` (two backward passes, or one Memory Layer looked up twice per forward) is an
+  error: each rule takes one gradient per step.
+- Several processes (DDP): DDP's reducer would average a table's gradient only after the table had been updated
+  with the rank's own gradient, so the tables are kept out of DDP (`exclude_tables_from_ddp`) and each group's
+  gradient is averaged over the ranks before its update (an all-reduce with SUM, then a division: never gloo's AVG,
+  see `training.sharding`). Every rank then applies the same update to the same rows, and the run equals one
+  process at the same global batch, holding one group's gradient at a time, as in one process.
 """
 
 from __future__ import annotations
@@ -81,7 +91,8 @@ def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: 
     """One row-wise AdaGrad step in place (see the module docstring): weight and grad [R, D], state_sum [R] float32.
     The arithmetic is in float32 (float64 for float64 weights); the weight is written back in its own dtype. float32
     tables take the fused kernel's one-pass update when it is in use (`memory_ops.use_kernel("torch")` avoids it)."""
-    ops = _fused_step_ops(weight, grad, state_sum)
+    blockwise = state_sum.dim() == 2
+    ops = None if blockwise else _fused_step_ops(weight, grad, state_sum)
     if ops is not None:
         ops.rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay)
         return
@@ -90,18 +101,26 @@ def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: 
     g = grad.to(acc)
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
-    state_sum.add_(g.square().mean(dim=1).to(state_sum.dtype))
-    w.addcdiv_(g, (state_sum.to(acc).sqrt() + eps).unsqueeze(1), value=-lr)
+    mean_square = _block_mean_square(g, state_sum.shape[1]) if blockwise else g.square().mean(dim=1)
+    state_sum.add_(mean_square.to(state_sum.dtype))
+    w.addcdiv_(g, _per_column(state_sum.to(acc).sqrt() + eps, w.shape[1]), value=-lr)
     _store(weight, w)
+
+
+def _per_column(per_row: torch.Tensor, width: int) -> torch.Tensor:
+    """A row-wise [R] or block-wise [R, B] quantity broadcast over the [R, width] columns it covers."""
+    if per_row.dim() == 1:
+        return per_row.unsqueeze(1)
+    return per_row.repeat_interleave(STATE_BLOCK, dim=1)[:, :width]
 
 
 STATE_BLOCK = 64  # columns per second moment of adam_blockwise (a head's width in the attention's tables)
 
 
 def second_moment_blocks(width: int, rule: str) -> int:
-    """Second moments per table row: 1 for adam_rowwise, one per STATE_BLOCK columns (the last block ragged) for
-    adam_blockwise."""
-    return -(-width // STATE_BLOCK) if rule == "adam_blockwise" else 1
+    """Second moments (or AdaGrad sums) per table row: 1 for the row-wise rules, one per STATE_BLOCK columns (the
+    last block ragged) for the block-wise ones."""
+    return -(-width // STATE_BLOCK) if rule.endswith("_blockwise") else 1
 
 
 def _block_mean_square(grad: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -139,11 +158,7 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     exp_avg_sq.mul_(beta2).add_(mean_square.to(exp_avg_sq.dtype), alpha=1.0 - beta2)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
-    denom = (exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps)
-    if blockwise:
-        denom = denom.repeat_interleave(STATE_BLOCK, dim=1)[:, : w.shape[1]]
-    else:
-        denom = denom.unsqueeze(1)
+    denom = _per_column((exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps), w.shape[1])
     w.addcdiv_(exp_avg.to(acc), denom, value=-lr / bias1)
     _store(weight, w)
 
@@ -280,13 +295,13 @@ class TableAdamW(torch.optim.AdamW):
         rows = param.shape[0]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            if group["table_rule"] == "rowwise_adagrad":
-                state["sum"] = torch.zeros(rows, dtype=torch.float32, device=param.device)
-            else:
+            rule = group["table_rule"]
+            shape = (rows, second_moment_blocks(param.shape[1], rule)) if rule.endswith("_blockwise") else (rows,)
+            if rule.startswith("adam_"):
                 state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                blocks = second_moment_blocks(param.shape[1], group["table_rule"])
-                shape = (rows, blocks) if group["table_rule"] == "adam_blockwise" else (rows,)
                 state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=param.device)
+            else:
+                state["sum"] = torch.zeros(shape, dtype=torch.float32, device=param.device)
         state["step"] += 1
 
     @torch.no_grad()
@@ -299,7 +314,7 @@ class TableAdamW(torch.optim.AdamW):
         state = self.state[param]
         lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
         weight = param[start:stop]
-        if group["table_rule"] == "rowwise_adagrad":
+        if "sum" in state:  # the AdaGrad rules
             rowwise_adagrad_update(weight, grad, state["sum"][start:stop], lr, eps, weight_decay)
         else:
             adam_rowwise_update(weight, grad, state["exp_avg"][start:stop], state["exp_avg_sq"][start:stop],
@@ -395,6 +410,8 @@ def describe(rule: str) -> str:
         "adam_rowwise": "Adam with a row-wise second moment on the tables, in the backward pass: 4 bytes per value",
         "adam_blockwise": f"Adam with a second moment per {STATE_BLOCK} columns of a row, in the backward pass: "
         f"4 bytes per value",
+        "adagrad_blockwise": f"AdaGrad with a sum per {STATE_BLOCK} columns of a row, in the backward pass: "
+        f"4 bytes per {STATE_BLOCK} values",
     }[rule]
 
 

@@ -119,6 +119,30 @@ def test_adam_blockwise_keeps_one_second_moment_per_block_of_columns():
     assert optimizer.state[net[0].tables]["exp_avg_sq"].shape == (160, 1)  # 24 columns: one block
 
 
+def test_adagrad_blockwise_keeps_one_sum_per_block_of_columns():
+    w0 = torch.randn(5, 70, generator=torch.Generator().manual_seed(6))
+    grads = random_grads((5, 70), 3, seed=7)
+    for g in grads:
+        g[:, 64:] *= 30.0
+    w, s = w0.clone(), torch.zeros(5, 2)
+    for g in grads:
+        rowwise_adagrad_update(w, g, s, lr=0.1, eps=1e-8, weight_decay=0.1)
+    expected, es = w0.double().clone(), torch.zeros(5, 2, dtype=torch.float64)
+    for g in grads:
+        g = g.double()
+        for r in range(5):
+            for b, cols in enumerate((slice(0, 64), slice(64, 70))):
+                es[r, b] += (g[r, cols] ** 2).mean()
+                expected[r, cols] = expected[r, cols] * (1 - 0.1 * 0.1) - 0.1 * g[r, cols] / (es[r, b].sqrt() + 1e-8)
+    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s.double(), es, rtol=1e-6, atol=1e-7)
+    net = memory_layer_net(4)
+    optimizer = TableAdamW(table_param_groups(net, "adagrad_blockwise", 0.1), lr=0.01)
+    net(layer_input(0)).sum().backward()
+    optimizer.step()
+    assert optimizer.state[net[0].tables]["sum"].shape == (160, 1)
+
+
 def test_fused_and_torch_updates_agree_on_a_large_table():
     """512-wide rows split over the threads: the one-pass kernel against the PyTorch form, a few float32 roundings
     apart; and the kernel rejects what it cannot take, naming it."""

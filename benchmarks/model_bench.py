@@ -80,7 +80,8 @@ class ModelSpec:
     seed: int = 0
     quiet_wait_s: float = 120.0  # before each workload, wait up to this long for other processes to go quiet
     memory_headroom: float = 0.85  # attempt a workload only if its estimate fits in this fraction of free memory
-    table_optimizer: str = "adamw"  # MemoryFormer tables in training: adamw, rowwise_adagrad or adam_rowwise
+    table_optimizer: str = "adamw"  # MemoryFormer tables in training: adamw or a rule of training.TABLE_OPTIMIZERS
+    table_dtype: str | None = None  # MemoryFormer table storage: None (float32) or "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -94,10 +95,12 @@ def mf_label(preset: str) -> str:
 FEW_ROW = "few-row"  # the twin with every nn.Linear on the fused few-row pass (decode only): the fastest dense decode
 
 
-def contestant_name(preset: str, kind: str, kernel: str | None, table_optimizer: str = "adamw") -> str:
+def contestant_name(preset: str, kind: str, kernel: str | None, table_optimizer: str = "adamw",
+                    table_dtype: str | None = None) -> str:
     if kind == "twin":
         return TWINS[preset][0] + (" [few-row linears]" if kernel == FEW_ROW else "")
     tables = "" if table_optimizer == "adamw" else f", tables {table_optimizer}"
+    tables += f", {table_dtype} tables" if table_dtype else ""
     return f"{mf_label(preset)} [{kernel}{tables}]"
 
 
@@ -106,7 +109,8 @@ def model_config(kind: str, preset: str, spec: ModelSpec):
     if kind == "mf":
         from modeling_memoryformer import MemoryFormerConfig
 
-        return MemoryFormerConfig.from_preset(preset, attn_implementation="sdpa", **overrides)
+        return MemoryFormerConfig.from_preset(preset, attn_implementation="sdpa", table_dtype=spec.table_dtype,
+                                              **overrides)
     from transformers import GPTNeoXConfig
 
     shape = dict(TWINS[preset][1], **overrides)
@@ -160,7 +164,8 @@ def model_info(kind: str, preset: str, spec: ModelSpec) -> dict:
 
 def memory_estimate(info: dict, workload: str, spec: ModelSpec) -> tuple[int, str]:
     """Rough bytes a workload needs for one model (fp32), and how that number was made."""
-    weights = 4 * info["params"]
+    table_bytes = 2 if spec.table_dtype == "bfloat16" else 4
+    weights = 4 * info["params"] - (4 - table_bytes) * info.get("table_params", 0)
     hidden, layers = info["hidden_size"], info["num_hidden_layers"]
     runtime = RUNTIME_BYTES
     if workload == "train":
@@ -169,9 +174,9 @@ def memory_estimate(info: dict, workload: str, spec: ModelSpec) -> tuple[int, st
         activations = tokens * (VOCAB * 4 * 3 + hidden * layers * 4 * 24)
         tables = info.get("table_params", 0) if spec.table_optimizer != "adamw" else 0
         if tables:
-            # tables: fp32 weights (+ a first moment for adam_rowwise) and one layer's gradient at a time; the rest AdamW
-            per_table = 8 if spec.table_optimizer.startswith("adam_") else 4
-            need = 16 * (info["params"] - tables) + per_table * tables + 4 * tables // layers + activations + runtime
+            # tables: their weights (+ a float32 first moment for the Adam rules), no gradient; the rest AdamW
+            per_table = table_bytes + (4 if spec.table_optimizer.startswith("adam_") else 0)
+            need = 16 * (info["params"] - tables) + per_table * tables + activations + runtime
             how = (f"16 B/param x {(info['params'] - tables) / 1e9:.2f} B dense params + {per_table} B/param x "
                    f"{tables / 1e9:.2f} B table params ({spec.table_optimizer}) + ~{activations / GB:.1f} GB activations")
             return need, how
@@ -354,7 +359,7 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
         row = {
             "preset": preset,
             "workload": workload,
-            "contestant": contestant_name(preset, kind, kernel, spec.table_optimizer),
+            "contestant": contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype),
             "model": kind,
             "kernel": kernel,
             "status": status,
@@ -417,7 +422,7 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
                 optimizer = optimizers[kind]
             fn, tokens = workload_fn(model, workload, spec, optimizer)
             contestants.append(
-                Contestant(contestant_name(preset, kind, kernel, spec.table_optimizer), fn,
+                Contestant(contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype), fn,
                            _context(kernel, workload, model), kernel=kernel)
             )
             meta.append((kind, kernel, tokens))
@@ -444,7 +449,7 @@ def _peak_memory(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, 
     jobs = [("mf", k) for k in kernels] + [("twin", None)]
     for workload in [w for w in spec.workloads if w in (spec.rss_workloads or spec.workloads)]:
         for kind, kernel in jobs:
-            name = contestant_name(preset, kind, kernel, spec.table_optimizer)
+            name = contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype)
             bar.set_postfix_str(f"{preset} peak RSS {workload} {name}")
             row = {"preset": preset, "workload": workload, "contestant": name, "model": kind, "kernel": kernel}
             available = available_memory_bytes()

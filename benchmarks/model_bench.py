@@ -82,6 +82,7 @@ class ModelSpec:
     memory_headroom: float = 0.85  # attempt a workload only if its estimate fits in this fraction of free memory
     table_optimizer: str = "adamw"  # MemoryFormer tables in training: adamw or a rule of training.TABLE_OPTIMIZERS
     table_dtype: str | None = None  # MemoryFormer table storage: None (float32) or "bfloat16"
+    gradient_checkpointing: bool = False  # training: recompute each decoder layer in the backward (both models)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -237,6 +238,8 @@ def workload_fn(model, workload: str, spec: ModelSpec, optimizer=None):
         return decode, n
     if workload == "train":
         ids = _tokens(spec, (spec.train_batch, spec.train_seq), 3)
+        if spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         def train_step():
             loss = model(input_ids=ids, labels=ids).loss

@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="workloads whose peak memory is measured (default: all run; quick: prefill)")
     g.add_argument("--table-optimizer", choices=TABLE_OPTIMIZERS,
                    help="the MemoryFormer tables' optimizer in training (default adamw; see memoryformer train)")
+    g.add_argument("--gradient-checkpointing", action="store_true", default=None,
+                   help="training: recompute each decoder layer in the backward pass (both models)")
     g.add_argument("--table-dtype", choices=("bfloat16",),
                    help="store the MemoryFormer's tables in bfloat16 (default float32; see memoryformer train)")
     return p.parse_args(argv)
@@ -127,6 +129,7 @@ def model_spec(args):
         quiet_wait_s=args.quiet_wait_s,
         table_optimizer=args.table_optimizer,
         table_dtype=args.table_dtype,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
 
 

@@ -247,8 +247,10 @@ def bench_quality(args) -> dict:
 
 def _measured_on(section: dict) -> list[str]:
     env = section["environment"]
+    threads = (section.get("settings") or {}).get("threads")
+    used = f", {threads} torch thread{'s' if threads != 1 else ''}" if threads else ""
     return [f"Measured on {section['cpu_model']} ({', '.join(section['cpu_flags'])}), {env.get('logical_cpus')} "
-            f"logical CPUs, torch {env.get('torch')}, {env.get('date')}: `{env.get('command')}`", ""]
+            f"logical CPUs{used}, torch {env.get('torch')}, {env.get('date')}: `{env.get('command')}`", ""]
 
 
 def markdown(results: dict) -> str:
@@ -337,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, help="quality: text (default: the embedded CPython docs)")
     parser.add_argument("--tokenizer", default=None, help="quality: tokenizer (default: a byte-level BPE trained on it)")
     parser.add_argument("--quiet-wait-s", type=float, default=60.0, help="wait this long for other processes to calm")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's own, all cores); 1 gives steadier ratios on a busy host")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     os.makedirs(args.out, exist_ok=True)
     results = {}

@@ -339,7 +339,7 @@ class _LookupUpdatingTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, scores, tables, bias, dtype, update):
         ctx.save_for_backward(rows, scores)
-        ctx.tables, ctx.update, ctx.dtype = tables, update, dtype
+        ctx.tables, ctx.update = tables, update
         ctx.bias_dtype = None if bias is None else bias.dtype
         return _gather_accumulate(rows, scores, tables.detach(), bias, dtype)
 
@@ -352,8 +352,9 @@ class _LookupUpdatingTables(torch.autograd.Function):
         per_table = tables.shape[0] // num_tables
         flat_rows = rows.reshape(-1, num_tables)
         flat_scores = scores.reshape(-1, num_tables)
-        g = grad.reshape(-1, width)
         acc = _acc_dtype(tables.dtype)
+        g = grad.reshape(-1, width)
+        g_acc = g.to(acc).contiguous()
         budget = update_group_bytes()
         group = max(1, min(num_tables, budget // max(1, per_table * width * torch.finfo(acc).bits // 8)))
         fused = _use_fused(tables)
@@ -367,10 +368,9 @@ class _LookupUpdatingTables(torch.autograd.Function):
                 values = tables.detach()[start:stop]
                 if fused:
                     gs, gt = torch.ops.memoryformer_cpu.lookup_backward(
-                        g.to(acc).contiguous(), local, part.to(acc), values.to(acc).contiguous(), per_table, True,
-                        need_scores)
+                        g_acc, local, part.to(acc), values.to(acc).contiguous(), per_table, True, need_scores)
                 else:
-                    gs, gt = _group_gradient_torch(g, local, part, values, need_scores, budget)
+                    gs, gt = _group_gradient_torch(g_acc, local, part, values, need_scores, budget)
                 if need_scores:
                     grad_scores[:, k0:k1] = gs
                 update(gt, start, stop, k0 == 0)

@@ -112,11 +112,7 @@ def test_adam_blockwise_keeps_one_second_moment_per_block_of_columns():
                 expected[r, cols] = expected[r, cols] * (1 - 0.01 * 0.1) - 0.01 * step
     torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(v.double(), ev, rtol=1e-6, atol=1e-8)
-    net = memory_layer_net(3)
-    optimizer = TableAdamW(table_param_groups(net, "adam_blockwise", 0.1), lr=0.01)
-    net(layer_input(0)).sum().backward()
-    optimizer.step()
-    assert optimizer.state[net[0].tables]["exp_avg_sq"].shape == (160, 1)  # 24 columns: one block
+    assert state_after_one_step("adam_blockwise")["exp_avg_sq"].shape == (160, 1)  # 24 columns: one block
 
 
 def test_adagrad_blockwise_keeps_one_sum_per_block_of_columns():
@@ -136,11 +132,16 @@ def test_adagrad_blockwise_keeps_one_sum_per_block_of_columns():
                 expected[r, cols] = expected[r, cols] * (1 - 0.1 * 0.1) - 0.1 * g[r, cols] / (es[r, b].sqrt() + 1e-8)
     torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(s.double(), es, rtol=1e-6, atol=1e-7)
-    net = memory_layer_net(4)
-    optimizer = TableAdamW(table_param_groups(net, "adagrad_blockwise", 0.1), lr=0.01)
+    assert state_after_one_step("adagrad_blockwise")["sum"].shape == (160, 1)
+
+
+def state_after_one_step(rule: str) -> dict:
+    """The optimizer state of a one-layer net's tables after one step of `rule`."""
+    net = memory_layer_net(3)
+    optimizer = TableAdamW(table_param_groups(net, rule, 0.1), lr=0.01)
     net(layer_input(0)).sum().backward()
     optimizer.step()
-    assert optimizer.state[net[0].tables]["sum"].shape == (160, 1)
+    return optimizer.state[net[0].tables]
 
 
 def test_fused_and_torch_updates_agree_on_a_large_table():

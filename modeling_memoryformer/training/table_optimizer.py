@@ -114,7 +114,7 @@ def _per_column(per_row: torch.Tensor, width: int) -> torch.Tensor:
     return per_row.repeat_interleave(STATE_BLOCK, dim=1)[:, :width]
 
 
-STATE_BLOCK = 64  # columns per second moment of adam_blockwise (a head's width in the attention's tables)
+STATE_BLOCK = 64  # columns per second moment (AdaGrad sum) of the block-wise rules: a head's width in the attention
 
 
 def second_moment_blocks(width: int, rule: str) -> int:

@@ -86,13 +86,44 @@ def _fused_step_ops(weight: torch.Tensor, grad: torch.Tensor, *states: torch.Ten
     return torch.ops.memoryformer_cpu if _use_fused(weight) else None
 
 
+STATE_BLOCK = 64  # columns per second moment (AdaGrad sum) of the block-wise rules: a head's width in the attention
+
+
+def second_moment_shape(rows: int, width: int, rule: str) -> tuple[int, ...]:
+    """The shape of a table's second moment (or AdaGrad sum): [rows] for the row-wise rules, [rows, blocks] with one
+    per STATE_BLOCK columns (the last block ragged) for the block-wise ones."""
+    return (rows, -(-width // STATE_BLOCK)) if rule.endswith("_blockwise") else (rows,)
+
+
+def _mean_square_like(grad: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The mean of g^2 over what each value of `state` covers: a row ([R] state) or each block of STATE_BLOCK
+    columns of a row ([R, B] state; the last block over its own columns)."""
+    if state.dim() == 1:
+        return grad.square().mean(dim=1)
+    rows, width = grad.shape
+    blocks = state.shape[1]
+    squares = grad.square()
+    if blocks * STATE_BLOCK != width:
+        squares = F.pad(squares, (0, blocks * STATE_BLOCK - width))
+    sums = squares.view(rows, blocks, STATE_BLOCK).sum(-1)
+    counts = torch.full((blocks,), float(STATE_BLOCK), dtype=grad.dtype, device=grad.device)
+    counts[-1] = width - (blocks - 1) * STATE_BLOCK
+    return sums / counts
+
+
+def _per_column(per_state: torch.Tensor, width: int) -> torch.Tensor:
+    """A row-wise [R] or block-wise [R, B] quantity broadcast over the [R, width] columns it covers."""
+    if per_state.dim() == 1:
+        return per_state.unsqueeze(1)
+    return per_state.repeat_interleave(STATE_BLOCK, dim=1)[:, :width]
+
+
 def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, lr: float, eps: float,
                            weight_decay: float) -> None:
     """One row-wise AdaGrad step in place (see the module docstring): weight and grad [R, D], state_sum [R] float32.
     The arithmetic is in float32 (float64 for float64 weights); the weight is written back in its own dtype. float32
     tables take the fused kernel's one-pass update when it is in use (`memory_ops.use_kernel("torch")` avoids it)."""
-    blockwise = state_sum.dim() == 2
-    ops = None if blockwise else _fused_step_ops(weight, grad, state_sum)
+    ops = _fused_step_ops(weight, grad, state_sum) if state_sum.dim() == 1 else None
     if ops is not None:
         ops.rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay)
         return
@@ -101,40 +132,9 @@ def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: 
     g = grad.to(acc)
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
-    mean_square = _block_mean_square(g, state_sum.shape[1]) if blockwise else g.square().mean(dim=1)
-    state_sum.add_(mean_square.to(state_sum.dtype))
+    state_sum.add_(_mean_square_like(g, state_sum).to(state_sum.dtype))
     w.addcdiv_(g, _per_column(state_sum.to(acc).sqrt() + eps, w.shape[1]), value=-lr)
     _store(weight, w)
-
-
-def _per_column(per_row: torch.Tensor, width: int) -> torch.Tensor:
-    """A row-wise [R] or block-wise [R, B] quantity broadcast over the [R, width] columns it covers."""
-    if per_row.dim() == 1:
-        return per_row.unsqueeze(1)
-    return per_row.repeat_interleave(STATE_BLOCK, dim=1)[:, :width]
-
-
-STATE_BLOCK = 64  # columns per second moment (AdaGrad sum) of the block-wise rules: a head's width in the attention
-
-
-def second_moment_blocks(width: int, rule: str) -> int:
-    """Second moments (or AdaGrad sums) per table row: 1 for the row-wise rules, one per STATE_BLOCK columns (the
-    last block ragged) for the block-wise ones."""
-    return -(-width // STATE_BLOCK) if rule.endswith("_blockwise") else 1
-
-
-def _block_mean_square(grad: torch.Tensor, blocks: int) -> torch.Tensor:
-    """[R, D] -> [R, blocks]: the mean of g^2 over each block of STATE_BLOCK columns (the last one over its own
-    columns)."""
-    rows, width = grad.shape
-    squares = grad.square()
-    padded = blocks * STATE_BLOCK
-    if padded != width:
-        squares = F.pad(squares, (0, padded - width))
-    sums = squares.view(rows, blocks, STATE_BLOCK).sum(-1)
-    counts = torch.full((blocks,), float(STATE_BLOCK), dtype=grad.dtype, device=grad.device)
-    counts[-1] = width - (blocks - 1) * STATE_BLOCK
-    return sums / counts
 
 
 def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -142,8 +142,7 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     """One step of Adam with a row-wise second moment, in place: exp_avg [R, D] and exp_avg_sq [R] in float32, `step`
     the number of this step (1 for the first). With exp_avg_sq [R, B] (adam_blockwise), one second moment per
     STATE_BLOCK columns of a row instead."""
-    blockwise = exp_avg_sq.dim() == 2
-    ops = None if blockwise else _fused_step_ops(weight, grad, exp_avg, exp_avg_sq)
+    ops = _fused_step_ops(weight, grad, exp_avg, exp_avg_sq) if exp_avg_sq.dim() == 1 else None
     if ops is not None:
         ops.adam_rowwise_step(weight, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps, weight_decay)
         return
@@ -154,8 +153,7 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(g.to(exp_avg.dtype), 1.0 - beta1)
-    mean_square = _block_mean_square(g, exp_avg_sq.shape[1]) if blockwise else g.square().mean(dim=1)
-    exp_avg_sq.mul_(beta2).add_(mean_square.to(exp_avg_sq.dtype), alpha=1.0 - beta2)
+    exp_avg_sq.mul_(beta2).add_(_mean_square_like(g, exp_avg_sq).to(exp_avg_sq.dtype), alpha=1.0 - beta2)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
     denom = _per_column((exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps), w.shape[1])
@@ -296,7 +294,7 @@ class TableAdamW(torch.optim.AdamW):
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             rule = group["table_rule"]
-            shape = (rows, second_moment_blocks(param.shape[1], rule)) if rule.endswith("_blockwise") else (rows,)
+            shape = second_moment_shape(rows, param.shape[1], rule)
             if rule.startswith("adam_"):
                 state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=param.device)

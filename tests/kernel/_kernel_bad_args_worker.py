@@ -221,6 +221,19 @@ def _malformed_lookup_args(c: Calls, call, rows, scores, tables, bias, prefix: s
         lambda: call(wrapped, scores, tables, bias, HUGE_P))
 
 
+def _non_contiguous_lookup_args(c: Calls, call, rows, scores, tables, bias, check, tables_name: str) -> None:
+    """Each operand of a lookup as a strided view of the same values: the op copies it or refuses it, and if it
+    answers, `check` (the contiguous call's reference) holds."""
+    tt = tables.t().contiguous().t()
+    c.add(f"{tables_name} non-contiguous", "either", lambda: call(rows, scores, tt, bias, P), check)
+    rt = rows.t().contiguous().t()
+    c.add("rows non-contiguous", "either", lambda: call(rt, scores, tables, bias, P), check)
+    st = scores.t().contiguous().t()
+    c.add("scores non-contiguous", "either", lambda: call(rows, st, tables, bias, P), check)
+    bt = torch.stack([bias, bias], 1)[:, 0]
+    c.add("bias non-contiguous", "either", lambda: call(rows, scores, tables, bt, P), check)
+
+
 def _malformed_bias(c: Calls, call, rows, scores, tables, prefix: str = "") -> None:
     d = tables.shape[1]
     for name, b in (
@@ -260,14 +273,7 @@ def group_lookup(ops, c: Calls) -> None:
           lambda: lk(*_rows_scores(torch.randn(8, 16)), torch.randn(64, 64), torch.zeros(1), 16))
     _malformed_bias(c, lk, rows, scores, tables)
 
-    rt = rows.t().contiguous().t()
-    c.add("rows non-contiguous", "either", lambda: lk(rt, scores, tables, bias, P), ref(rows, scores, tables, bias))
-    st = scores.t().contiguous().t()
-    c.add("scores non-contiguous", "either", lambda: lk(rows, st, tables, bias, P), ref(rows, scores, tables, bias))
-    tt = tables.t().contiguous().t()
-    c.add("tables non-contiguous", "either", lambda: lk(rows, scores, tt, bias, P), ref(rows, scores, tables, bias))
-    bt = torch.stack([bias, bias], 1)[:, 0]
-    c.add("bias non-contiguous", "either", lambda: lk(rows, scores, tables, bt, P), ref(rows, scores, tables, bias))
+    _non_contiguous_lookup_args(c, lk, rows, scores, tables, bias, ref(rows, scores, tables, bias), "tables")
     c.add("scores float64", "either", lambda: lk(rows, scores.double(), tables, bias, P),
           ref(rows, scores, tables, bias))
     c.add("bias float64", "either", lambda: lk(rows, scores, tables, bias.double(), P),
@@ -317,10 +323,7 @@ def group_int8_lookup(ops, c: Calls) -> None:
         c.add(f"scores {dtype}", "ok", lambda dtype=dtype: lk(rows, scores.to(dtype), packed, bias, P),
               ref(rows, scores.to(dtype).float(), packed, bias))
 
-    def call(r, s, t, b, p):  # the malformed tables of the float lookups, given as the int8 block
-        return lk(r, s, t, b, p)
-
-    _malformed_lookup_args(c, call, rows, scores, packed, bias)
+    _malformed_lookup_args(c, lk, rows, scores, packed, bias)  # the float lookups' malformed tables, as the block
     _malformed_bias(c, lambda r, s, t, b, p: lk(r, s, packed, b, p), rows, scores, tables)
     c.add("packed float32 (the float tables)", "raise", lambda: lk(rows, scores, tables, bias, P))
     c.add("packed int8 (signed)", "raise", lambda: lk(rows, scores, packed.view(torch.int8), bias, P))
@@ -332,14 +335,7 @@ def group_int8_lookup(ops, c: Calls) -> None:
 
     c.add("packed of 0 columns (8 bytes a row)", "either", lambda: lk(rows, scores, packed[:, -8:].contiguous(), None, P),
           lambda out: None if out.shape == (N, 0) else f"shape {tuple(out.shape)}")
-    c.add("packed non-contiguous", "either", lambda: lk(rows, scores, packed.t().contiguous().t(), bias, P),
-          ref(rows, scores, packed, bias))
-    rt = rows.t().contiguous().t()
-    c.add("rows non-contiguous", "either", lambda: lk(rt, scores, packed, bias, P), ref(rows, scores, packed, bias))
-    st = scores.t().contiguous().t()
-    c.add("scores non-contiguous", "either", lambda: lk(rows, st, packed, bias, P), ref(rows, scores, packed, bias))
-    bt = torch.stack([bias, bias], 1)[:, 0]
-    c.add("bias non-contiguous", "either", lambda: lk(rows, scores, packed, bt, P), ref(rows, scores, packed, bias))
+    _non_contiguous_lookup_args(c, lk, rows, scores, packed, bias, ref(rows, scores, packed, bias), "packed")
 
 
 def group_lookup_strategy(ops, c: Calls) -> None:

@@ -14,8 +14,8 @@ q = round((v - min) / scale) in 0..255, then its float32 scale = (max - min) / 2
 and a Memory Layer's output is y = sum_k p(z_k) * (q_k * scale_k + offset_k) + b (paper eq. hash_proj), summed in
 float32. A layer keeps three tensors, `tables_codes` uint8 [R, d], `tables_scale` and `tables_offset` float32 [R]; on
 the CPU they are views of one [R, d + 8] block in that layout, so the fused kernel's `int8_lookup` (few tokens) and
-the PyTorch op (more; see `int8_cpu_path`) read them without a copy. On any other device, or while that block is not assembled, the rows are dequantised by the formula above (the PyTorch path
-every device runs).
+the PyTorch op (more; see `int8_cpu_path`) read them without a copy. On any other device, or while that block is not
+assembled, the rows are dequantised by the formula above (the PyTorch path every device runs).
 
 The int8 LM head is per-row symmetric: `weight_int8` int8 [V, d] and `weight_scale` float32 [V], W ~ q * scale. On the
 CPU it runs PyTorch's dynamically quantised linear (`torch.ops.quantized.linear_dynamic`, FBGEMM: the activations are

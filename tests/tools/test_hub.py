@@ -317,6 +317,64 @@ def test_remote_code_from_the_hub_reproduces_logits_and_greedy_text(pushed, hub,
                                                    do_sample=False) + "\n"
 
 
+
+QUANTIZED_CHILD = textwrap.dedent(
+    '''
+    import json, sys
+
+
+    class BlockPackage:
+        def find_spec(self, name, path=None, target=None):
+            if name == "modeling_memoryformer" or name.startswith("modeling_memoryformer."):
+                raise ImportError(f"{name} is blocked: this process must use the repo's code")
+            return None
+
+
+    sys.meta_path.insert(0, BlockPackage())
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    repo_id, inputs_path, outputs_path = sys.argv[1:4]
+    lm = AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.save(lm(torch.load(inputs_path)).logits, outputs_path)
+    print("REPORT " + json.dumps({
+        "table_dtype": lm.config.table_dtype, "lm_head_dtype": lm.config.lm_head_dtype,
+        "lm_class": f"{type(lm).__module__}.{type(lm).__name__}",
+        "package_imported": any(name.split(".")[0] == "modeling_memoryformer" for name in sys.modules),
+    }))
+    '''
+)
+
+
+def test_a_quantized_model_round_trips_through_the_hub_with_remote_code(quiet_hub, tmp_path):
+    """int8 tables and head pushed by `push_to_hub`: safetensors holding the codes, scales and offsets as tensors,
+    and a process without the package rebuilds the same int8 model from the repo id (logits bit for bit)."""
+    model = hub_model().quantize_tables("int8", lm_head="int8")
+    repo_id = "tester/mf-int8"
+    push_to_hub(model, repo_id, token=TOKEN, endpoint=quiet_hub.url)
+    files = set(quiet_hub.repos[repo_id].head.files)
+    assert {"model.safetensors", "quantization.py", "config.json"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    weights = load_safetensors(quiet_hub.read_file(repo_id, "model.safetensors"))
+    state = model.state_dict()
+    assert weights.keys() == state.keys()
+    assert all(torch.equal(weights[name], state[name]) for name in state)
+    codes = [name for name in weights if name.endswith(".tables_codes")]
+    assert codes and all(weights[name].dtype == torch.uint8 for name in codes)
+    assert not any(name.endswith(".tables") for name in weights)
+
+    input_ids = torch.tensor([[5, 17, 99, 42, 8, 63, 120, 250], [64, 3, 90, 11, 7, 7, 100, 299]])
+    torch.save(input_ids, tmp_path / "inputs.pt")
+    (tmp_path / "child.py").write_text(QUANTIZED_CHILD)
+    result = run([sys.executable, "child.py", repo_id, str(tmp_path / "inputs.pt"), str(tmp_path / "logits.pt")],
+                 hub_env(quiet_hub, tmp_path / "hf_home"), tmp_path)
+    report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    assert report["package_imported"] is False and report["lm_class"].startswith("transformers_modules.")
+    assert (report["table_dtype"], report["lm_head_dtype"]) == ("int8", "int8")
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "logits.pt"), model(input_ids).logits)
+
 def test_the_model_file_writes_no_card():
     """The card is the Hub integration's work: the model unit has no hook into transformers' upload."""
     assert not hasattr(MemoryFormerPreTrainedModel, "model_card_writer")

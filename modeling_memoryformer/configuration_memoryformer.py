@@ -7,7 +7,7 @@ import os
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .memory_ops import check_hash_parameters
+from .memory_ops import LINEAR_CE_CHUNK_TOKENS, check_hash_parameters
 
 
 PRESETS = ("tiny", "small", "base")
@@ -74,6 +74,12 @@ class MemoryFormerConfig(PreTrainedConfig):
             "int8" (a float32 scale and offset per row, inference only); rows are summed in float32. Set by
             `model.quantize_tables(...)` and saved with the model, so `from_pretrained` rebuilds the same storage.
         lm_head_dtype: storage of the LM head: None, "bfloat16" or "int8" (a float32 scale per row, inference only).
+        loss_chunk_tokens: tokens per chunk of the training loss (default 512). In training mode with labels and
+            gradients, the LM head and the cross-entropy run as one chunked pass (`memory_ops.linear_cross_entropy`)
+            that never holds the [tokens, vocab] logits or their gradient; the loss is the same. In training mode
+            with labels the logits are not materialised (`outputs.logits` is None); set loss_chunk_tokens=0 to get
+            them (the ordinary full-logits loss). Evaluation, generation and calls without labels always return
+            logits.
     """
 
     model_type = "memoryformer"
@@ -109,6 +115,7 @@ class MemoryFormerConfig(PreTrainedConfig):
         tie_word_embeddings: bool = False,
         table_dtype: str | None = None,
         lm_head_dtype: str | None = None,
+        loss_chunk_tokens: int = LINEAR_CE_CHUNK_TOKENS,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -137,6 +144,7 @@ class MemoryFormerConfig(PreTrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         self.table_dtype = canonical_storage_dtype(table_dtype, "table_dtype")
         self.lm_head_dtype = canonical_storage_dtype(lm_head_dtype, "lm_head_dtype")
+        self.loss_chunk_tokens = loss_chunk_tokens
         self._check_hash_shapes()  # intermediate_size's default needs a valid hash_bits
         if intermediate_size is None:
             intermediate_size = (hash_bits + expand_bits) * (hidden_size // hash_bits)
@@ -237,6 +245,12 @@ class MemoryFormerConfig(PreTrainedConfig):
                 )
         self._check_storage_dtypes()
         self._check_rope_parameters()
+        if not _is_int(self.loss_chunk_tokens) or self.loss_chunk_tokens < 0:
+            raise ValueError(
+                f"loss_chunk_tokens must be an integer >= 0, got {self.loss_chunk_tokens!r}. Use a number of tokens per "
+                f"chunk of the training loss such as {LINEAR_CE_CHUNK_TOKENS} (the default), or 0 for the full-logits "
+                "loss."
+            )
 
     def _check_storage_dtypes(self) -> None:
         for name in ("table_dtype", "lm_head_dtype"):

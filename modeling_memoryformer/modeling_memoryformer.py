@@ -14,6 +14,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -30,6 +31,7 @@ from .memory_ops import (
     few_rows_linear,
     hash_codes,
     hash_scores,
+    linear_cross_entropy,
     memory_lookup,
     memory_lookup_hashed,
     num_tables_for,
@@ -759,7 +761,13 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        r"""labels: [batch, seq] token ids (-100 = ignored); the loss is next-token cross-entropy (shifted inside)."""
+        r"""labels: [batch, seq] token ids (-100 = ignored); the loss is next-token cross-entropy (shifted inside).
+
+        In training mode with labels (and gradients recorded) the LM head and the loss run as one chunked pass of
+        `config.loss_chunk_tokens` tokens (`memory_ops.linear_cross_entropy`, same loss and gradients), so the logits
+        are not materialised: `logits` is None. Set `config.loss_chunk_tokens = 0` to get them. A head with hooks,
+        PEFT or accelerate wrappers, a quantised or narrower-than-model head, `logits_to_keep`, or a custom
+        `loss_function` keep the full-logits path."""
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -770,16 +778,59 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)  # [batch, kept positions, vocab]
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits = loss = None
+        if self._uses_chunked_loss(labels, logits_to_keep, hidden_states):
+            loss = linear_cross_entropy(
+                hidden_states, self.lm_head.weight, self.lm_head.bias, labels,
+                chunk_tokens=self.config.loss_chunk_tokens,
+                ignore_index=kwargs.get("ignore_index", -100),
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+                shift_labels=kwargs.get("shift_labels"),
+            )
+        else:
+            logits = self.lm_head(hidden_states)  # [batch, kept positions, vocab]
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+        )
+
+    def _uses_chunked_loss(self, labels, logits_to_keep, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward` computes the loss with `linear_cross_entropy` instead of full logits: training with
+        labels and gradients, `config.loss_chunk_tokens` > 0, every position kept, the default causal-LM loss, and a
+        plain `MemoryFormerLMHead` whose float weight (a plain Parameter, not a DTensor) has the hidden states' dtype
+        and which nothing is attached to (module hooks, accelerate's `_hf_hook`; PEFT replaces the head's class).
+        Everything else (e.g. a bfloat16 head in a float32 model, int8, torch.compile) keeps the full-logits path."""
+        if not (
+            labels is not None
+            and self.training
+            and torch.is_grad_enabled()
+            and self.config.loss_chunk_tokens > 0
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep == 0
+            and not torch.compiler.is_compiling()
+            and self.loss_function is ForCausalLMLoss
+        ):
+            return False
+        head = self.lm_head
+        if type(head) is not MemoryFormerLMHead or getattr(head, "_hf_hook", None) is not None:
+            return False
+        module = nn.modules.module
+        hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks,
+                 module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
+                 module._global_backward_pre_hooks)
+        if any(hooks):  # someone watches or changes the head's input or output: let them see it run
+            return False
+        weight, bias = head.weight, head.bias
+        return (
+            type(weight) is nn.Parameter  # a DTensor (FSDP2, tensor parallel) or other subclass keeps the old path
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and weight.dtype == hidden_states.dtype
+            and (bias is None or (type(bias) is nn.Parameter and bias.dtype == weight.dtype))
         )
 
 

@@ -7,7 +7,11 @@ Workloads (float32, batch 1 unless said):
   min_new_tokens = max_new_tokens (EOS cannot stop it early); tokens/s = new_tokens / time (the time includes
   the prompt's prefill, the same for both).
 - train: forward + backward + fused AdamW step + zero_grad(set_to_none) on a [train_batch, train_seq] batch of random
-  tokens (labels = inputs); tokens/s = batch * seq / time.
+  tokens (labels = inputs); tokens/s = batch * seq / time. MemoryFormer computes its loss by chunks of
+  `config.loss_chunk_tokens` tokens (`memory_ops.linear_cross_entropy`: the [tokens, vocab] logits never exist;
+  `--loss-chunk-tokens 0` for the full logits); the twin runs transformers' GPT-NeoX as shipped, and a second twin
+  contestant, "[chunked loss]", computes its loss by the same chunked pass, so that the ratio against it is the
+  MemoryFormer layers' own share of the training gain.
 
 Speed: per preset, both models are built once in this process and every workload is timed round-robin
 (`common.round_robin`) across MF [torch], MF [fused] (when available; same model, kernel switched with
@@ -83,6 +87,7 @@ class ModelSpec:
     table_optimizer: str = "adamw"  # MemoryFormer tables in training: adamw or a rule of training.TABLE_OPTIMIZERS
     table_dtype: str | None = None  # MemoryFormer table storage: None (float32) or "bfloat16"
     gradient_checkpointing: bool = False  # training: recompute each decoder layer in the backward (both models)
+    loss_chunk_tokens: int | None = None  # MemoryFormer's config.loss_chunk_tokens (None: the config's default)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -94,12 +99,14 @@ def mf_label(preset: str) -> str:
 
 
 FEW_ROW = "few-row"  # the twin with every nn.Linear on the fused few-row pass (decode only): the fastest dense decode
+CHUNKED_LOSS = "chunked-loss"  # the twin computing its training loss by MemoryFormer's chunked pass (train only)
+TWIN_VARIANTS = {FEW_ROW: ("decode", " [few-row linears]"), CHUNKED_LOSS: ("train", " [chunked loss]")}
 
 
 def contestant_name(preset: str, kind: str, kernel: str | None, table_optimizer: str = "adamw",
                     table_dtype: str | None = None) -> str:
     if kind == "twin":
-        return TWINS[preset][0] + (" [few-row linears]" if kernel == FEW_ROW else "")
+        return TWINS[preset][0] + (TWIN_VARIANTS[kernel][1] if kernel in TWIN_VARIANTS else "")
     tables = "" if table_optimizer == "adamw" else f", tables {table_optimizer}"
     tables += f", {table_dtype} tables" if table_dtype else ""
     return f"{mf_label(preset)} [{kernel}{tables}]"
@@ -110,6 +117,8 @@ def model_config(kind: str, preset: str, spec: ModelSpec):
     if kind == "mf":
         from modeling_memoryformer import MemoryFormerConfig
 
+        if spec.loss_chunk_tokens is not None:
+            overrides["loss_chunk_tokens"] = spec.loss_chunk_tokens
         return MemoryFormerConfig.from_preset(preset, attn_implementation="sdpa", table_dtype=spec.table_dtype,
                                               **overrides)
     from transformers import GPTNeoXConfig
@@ -268,6 +277,29 @@ def few_row_linears(model):
             del m.forward
 
 
+@contextlib.contextmanager
+def chunked_loss(model, chunk_tokens: int | None = None):
+    """A GPT-NeoX causal LM whose forward with labels computes its loss as MemoryFormer does by default
+    (`memory_ops.linear_cross_entropy`: chunks of `chunk_tokens` tokens, no [tokens, vocab] logits) while inside."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from modeling_memoryformer.memory_ops import LINEAR_CE_CHUNK_TOKENS, linear_cross_entropy
+
+    chunk_tokens = chunk_tokens or LINEAR_CE_CHUNK_TOKENS
+
+    def forward(input_ids=None, labels=None, **kwargs):
+        hidden = model.gpt_neox(input_ids=input_ids, **kwargs).last_hidden_state
+        head = model.get_output_embeddings()
+        loss = linear_cross_entropy(hidden, head.weight, head.bias, labels, chunk_tokens=chunk_tokens)
+        return CausalLMOutputWithPast(loss=loss)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
+
+
 def _context(kernel: str | None, workload: str, model=None):
     from modeling_memoryformer.memory_ops import use_kernel
 
@@ -276,6 +308,8 @@ def _context(kernel: str | None, workload: str, model=None):
         if kernel == FEW_ROW:
             stack.enter_context(use_kernel("fused"))
             stack.enter_context(few_row_linears(model))
+        elif kernel == CHUNKED_LOSS:
+            stack.enter_context(chunked_loss(model))
         elif kernel is not None:
             stack.enter_context(use_kernel(kernel))
         if workload != "train":
@@ -324,6 +358,9 @@ def run(spec: ModelSpec, log=print) -> dict:
     total = len(spec.presets) * (len(spec.workloads) * per_workload + rss_jobs * n_contestants)
     if "fused" in kernels and "decode" in spec.workloads:  # the twin with few-row linears, at decode
         total += len(spec.presets) * (max(1, spec.warmup) + spec.repeats)
+    if "train" in spec.workloads:  # the twin with the chunked loss, at train
+        rss_train = spec.rss and "train" in (spec.rss_workloads or spec.workloads)
+        total += len(spec.presets) * (max(1, spec.warmup) + spec.repeats + int(rss_train))
     bar = make_progress(total, "model")
     say = bar.write
     models, rows, rss_rows = {}, [], []
@@ -357,6 +394,8 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
     kinds = [("mf", k) for k in kernels] + [("twin", None)]
     if "fused" in kernels and "decode" in spec.workloads:
         kinds.append(("twin", FEW_ROW))
+    if "train" in spec.workloads:
+        kinds.append(("twin", CHUNKED_LOSS))
 
     def record(workload, kind, kernel, status, c=None, tokens=None):
         row = {
@@ -409,8 +448,8 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
         contestants, meta = [], []
         optimizers = {}
         for kind, kernel in kinds:
-            if kernel == FEW_ROW and workload != "decode":
-                continue  # the few-row pass runs at decode only: elsewhere this contestant is the twin
+            if kernel in TWIN_VARIANTS and workload != TWIN_VARIANTS[kernel][0]:
+                continue  # a twin variant runs at its own workload only: elsewhere it is the twin
             reason = fits[workload][kind]
             if reason is not None:
                 record(workload, kind, kernel, reason)
@@ -451,7 +490,7 @@ def _peak_memory(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, 
     rows = []
     jobs = [("mf", k) for k in kernels] + [("twin", None)]
     for workload in [w for w in spec.workloads if w in (spec.rss_workloads or spec.workloads)]:
-        for kind, kernel in jobs:
+        for kind, kernel in jobs + ([("twin", CHUNKED_LOSS)] if workload == "train" else []):
             name = contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype)
             bar.set_postfix_str(f"{preset} peak RSS {workload} {name}")
             row = {"preset": preset, "workload": workload, "contestant": name, "model": kind, "kernel": kernel}
@@ -463,7 +502,7 @@ def _peak_memory(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, 
                 continue
             job = {"preset": preset, "model": kind, "kernel": kernel, "workload": workload, "spec": asdict(spec)}
             env = dict(os.environ)
-            if kernel is not None:
+            if kernel is not None and kernel not in TWIN_VARIANTS:
                 env["MEMORYFORMER_KERNEL"] = kernel
             t0 = time.perf_counter()
             try:
@@ -512,7 +551,7 @@ def _rss_worker(job: dict) -> None:
 
     hf_logging.set_verbosity_error()
     spec = ModelSpec(**job["spec"])
-    if job["kernel"] is not None:
+    if job["kernel"] is not None and job["kernel"] not in TWIN_VARIANTS:
         set_kernel(job["kernel"])
         if get_kernel() != job["kernel"]:
             raise RuntimeError(f"kernel {job['kernel']!r} requested, {get_kernel()!r} active")
@@ -527,7 +566,7 @@ def _rss_worker(job: dict) -> None:
     model.train(workload == "train")
     optimizer = _optimizer(model, spec, job["model"]) if workload == "train" else None
     fn, _ = workload_fn(model, workload, spec, optimizer)
-    with _context(None, workload)():
+    with _context(job["kernel"] if job["kernel"] in TWIN_VARIANTS else None, workload, model)():
         for _ in range(spec.rss_train_steps if workload == "train" else 1):
             fn()
     result = {

@@ -566,15 +566,19 @@ def _rss_worker(job: dict) -> None:
     model.train(workload == "train")
     optimizer = _optimizer(model, spec, job["model"]) if workload == "train" else None
     fn, _ = workload_fn(model, workload, spec, optimizer)
+    step_s = []
     with _context(job["kernel"] if job["kernel"] in TWIN_VARIANTS else None, workload, model)():
         for _ in range(spec.rss_train_steps if workload == "train" else 1):
+            t_step = time.perf_counter()
             fn()
+            step_s.append(round(time.perf_counter() - t_step, 2))
     result = {
         "rss_import_mb": round(rss_import / MB, 1),
         "rss_built_mb": round(rss_built / MB, 1),
         "peak_rss_mb": round(peak_rss_bytes() / MB, 1),
         "worker_s": round(time.perf_counter() - t0, 1),
         "steps": spec.rss_train_steps if workload == "train" else 1,
+        "step_s": step_s,  # each call of the workload; the first includes one-time costs (allocation, warm-up)
         "fused_kernel_source_sha256": _kernel_source_sha(),
     }
     print("RSS_RESULT " + json.dumps(result), flush=True)

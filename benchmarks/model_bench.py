@@ -248,7 +248,7 @@ def workload_fn(model, workload: str, spec: ModelSpec, optimizer=None):
     if workload == "train":
         ids = _tokens(spec, (spec.train_batch, spec.train_seq), 3)
         if spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
         def train_step():
             loss = model(input_ids=ids, labels=ids).loss

@@ -252,7 +252,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(input_ids):
     def grads(checkpointing: bool):
         model = tiny_model().train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         calls = []
         block = model.model.layers[0].memory_block

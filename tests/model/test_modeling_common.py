@@ -209,14 +209,14 @@ def test_gradient_checkpointing_reentrant_and_not_give_the_same_gradients(use_re
 
     model = tester.create_model().train()
     plain = gradients(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    assert model.is_gradient_checkpointing
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert model.is_activation_checkpointing
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = gradients(model)
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
-    model.gradient_checkpointing_disable()
-    assert not model.is_gradient_checkpointing
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing
     assert not any(layer.gradient_checkpointing for layer in model.model.layers)
 
 

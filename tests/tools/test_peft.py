@@ -414,7 +414,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(ids, kind):
         model = peft_model(kind)
         randomize_adapters(model, seed=18)  # B != 0, so that A gets a gradient too
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model.train()
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})

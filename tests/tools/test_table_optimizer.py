@@ -317,7 +317,7 @@ def test_gradient_checkpointing_gives_the_same_update_in_the_backward():
     for checkpointing in (False, True):
         model = tiny_model(seed=0).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         optimizer = TableAdamW(table_param_groups(model, "adam_blockwise", 0.1), lr=1e-2)
         for step in range(2):
             ids = batch(step)

@@ -140,6 +140,47 @@ def test_model_matches_naive_float64_forward(kernel, overrides, input_ids):
     torch.testing.assert_close(logits, naive_logits(model, input_ids), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("overrides", [VARIANTS["default"], VARIANTS["tau8_e1_rotary_half"]],
+                         ids=["default", "rotary_half"])
+def test_inference_rotates_q_and_k_in_place_with_the_same_result(kernel, overrides, input_ids):
+    """Without autograd the rotary embedding is applied inside the Q/K/V layer's output (no new q and k tensors):
+    the float64 oracle still holds, and the logits equal those of the copying path (autograd on) bit for bit."""
+    model = tiny_model(dtype=torch.float64, **overrides)
+    with torch.inference_mode():
+        in_place = model(input_ids).logits
+    torch.testing.assert_close(in_place, naive_logits(model, input_ids), rtol=1e-10, atol=1e-10)
+    copied = model(input_ids).logits  # parameters require grad: q and k are new tensors
+    assert copied.requires_grad and torch.equal(in_place, copied.detach())
+
+
+def test_a_hook_on_the_qkv_layer_sees_its_output_unrotated(input_ids):
+    """A forward hook that keeps the Q/K/V layer's output must find it as the layer returned it."""
+    model = tiny_model()
+    kept = []
+    handle = model.model.layers[0].attention.query_key_value.register_forward_hook(
+        lambda module, args, output: kept.append((output, output.clone())))
+    with torch.no_grad():
+        model(input_ids)
+    handle.remove()
+    output, snapshot = kept[0]
+    assert torch.equal(output, snapshot)
+
+
+def test_in_place_rotation_equals_apply_rotary_pos_emb():
+    from modeling_memoryformer.modeling_memoryformer import apply_rotary_pos_emb, apply_rotary_pos_emb_
+
+    qkv = torch.randn(2, 7, 3 * 4 * 16, dtype=torch.float64)
+    q, k, _ = (t.view(2, 7, 4, 16).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    angle = torch.randn(2, 7, 3, dtype=torch.float64)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    expected = apply_rotary_pos_emb(q, k, cos, sin)
+    q_pass, k_pass = q[..., 6:].clone(), k[..., 6:].clone()
+    rotated = apply_rotary_pos_emb_(q, k, cos, sin)
+    assert rotated[0] is q and rotated[1] is k  # views of qkv, rewritten in place
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+    assert torch.equal(q[..., 6:], q_pass) and torch.equal(k[..., 6:], k_pass)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Outputs and loss
 def test_output_shapes(model, input_ids):

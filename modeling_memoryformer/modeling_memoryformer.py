@@ -91,7 +91,13 @@ class MemoryLayer(nn.Module):
     `tables` is None and the buffers `tables_codes` uint8 [K * 2**hash_bits, out_features], `tables_scale` and
     `tables_offset` float32 [K * 2**hash_bits] hold them (row r ~ codes[r] * scale[r] + offset[r]).
     Input [..., in_features] -> output [..., out_features].
+
+    `row_segments`: how many of the paper's table rows one row holds side by side (3 for the attention's fused
+    Q/K/V layer, whose row is the Q, K and V rows of one bucket; 1 otherwise). Nothing in the forward depends on it;
+    the row-wise table optimizers keep one state per segment.
     """
+
+    row_segments: int = 1
 
     def __init__(
         self,
@@ -390,6 +396,7 @@ class MemoryFormerAttention(nn.Module):
             table_dtype=config.table_dtype,
         )
         self.query_key_value = MemoryLayer(config.hidden_size, 3 * config.hidden_size, **memory_layer)
+        self.query_key_value.row_segments = 3  # the paper's three tables (Q, K, V), one row of each per bucket
         self.dense = (
             MemoryLayer(config.hidden_size, config.hidden_size, **memory_layer)
             if config.attention_output == "memory"

@@ -199,7 +199,11 @@ def test_optimizer_equals_adamw_on_dense_parameters_and_the_rule_on_tables(rule)
                                {"params": [named[n] for n in sorted(no_decay)], "weight_decay": 0.0}],
                               lr=lr, betas=betas, eps=eps, weight_decay=wd)
     assert sum(len(g["params"]) for g in adamw.param_groups) + len(tables) == len(named)
-    states = [(torch.zeros(p.shape[0]), torch.zeros(p.shape), torch.zeros(p.shape[0])) for p in tables]
+    # The Q/K/V tables hold three of the paper's rows per row: the rule runs on their rows of a third of the width.
+    segments = [3 if n.endswith("query_key_value.tables") else 1 for n, p in named.items() if id(p) in table_ids]
+    assert segments.count(3) == model.config.num_hidden_layers
+    states = [(torch.zeros(p.shape[0] * k), torch.zeros(p.shape), torch.zeros(p.shape[0] * k))
+              for p, k in zip(tables, segments)]
     for step in range(1, 4):
         ids = batch(step)
         model(input_ids=ids, labels=ids).loss.backward()
@@ -208,11 +212,12 @@ def test_optimizer_equals_adamw_on_dense_parameters_and_the_rule_on_tables(rule)
         optimizer.zero_grad(set_to_none=True)
         reference(input_ids=ids, labels=ids).loss.backward()
         with torch.no_grad():
-            for p, (s, m, v) in zip(tables, states):
+            for p, k, (s, m, v) in zip(tables, segments, states):
+                w, g = p.view(-1, p.shape[1] // k), p.grad.view(-1, p.shape[1] // k)
                 if rule == "rowwise_adagrad":
-                    rowwise_adagrad_update(p, p.grad, s, lr, eps, wd)
+                    rowwise_adagrad_update(w, g, s, lr, eps, wd)
                 else:
-                    adam_rowwise_update(p, p.grad, m, v, step, lr, betas, eps, wd)
+                    adam_rowwise_update(w, g, m.view(-1, p.shape[1] // k), v, step, lr, betas, eps, wd)
                 p.grad = None
         adamw.step()
         adamw.zero_grad(set_to_none=True)
@@ -238,6 +243,42 @@ def test_no_table_gradient_outlives_its_own_update():
     optimizer.remove_hooks()
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in tables)  # hooks removed: plain gradients again
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam_rowwise"])
+def test_row_wise_rules_keep_a_state_per_row_of_each_of_q_k_and_v(kernel, rule):
+    """A Memory Layer whose rows hold 3 of the paper's rows (the fused Q/K/V layer): its row-wise state is [rows, 3],
+    and the update equals the rule's float64 formula applied to Q, K and V as three separate tables."""
+    from modeling_memoryformer.modeling_memoryformer import MemoryLayer
+
+    require_kernel(kernel)
+    torch.manual_seed(0)
+    layer = MemoryLayer(8, 3 * 5, hash_bits=4, bias=False)  # 2 tables of 16 rows; Q, K, V 5 columns each
+    layer.row_segments = 3
+    w0 = layer.tables.detach().clone()
+    optimizer = TableAdamW(table_param_groups(torch.nn.Sequential(layer), rule, 0.1), lr=0.01, betas=(0.9, 0.95),
+                           eps=1e-8, weight_decay=0.1)
+    grads = random_grads(w0.shape, 3, seed=4)
+    for g in grads:
+        g[5, 5:10] *= 100.0  # one K row far larger than its Q and V neighbours: a shared state would damp them
+    with memory_ops.use_kernel(kernel):
+        for g in grads:
+            optimizer.update_table(layer.tables, g.clone(), optimizer.param_groups[0])
+            optimizer.step()
+    state = optimizer.state[layer.tables]
+    second = state["sum"] if rule == "rowwise_adagrad" else state["exp_avg_sq"]
+    assert second.shape == (32, 3)
+    for part in range(3):
+        columns = slice(5 * part, 5 * part + 5)
+        if rule == "rowwise_adagrad":
+            expected_w, expected_s = naive_rowwise_adagrad(w0[:, columns], [g[:, columns] for g in grads], 0.01,
+                                                           1e-8, 0.1)
+        else:
+            expected_w, _, expected_s = naive_adam_rowwise(w0[:, columns], [g[:, columns] for g in grads], 0.01,
+                                                           (0.9, 0.95), 1e-8, 0.1)
+        torch.testing.assert_close(layer.tables.detach()[:, columns].double(), expected_w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(second[:, part].double(), expected_s, rtol=1e-6, atol=1e-8)
 
 
 def memory_layer_net(seed: int, table_dtype: str | None = None) -> torch.nn.Sequential:
@@ -387,7 +428,9 @@ def saved_and_loaded(state_dict: dict) -> dict:
 
 def test_state_is_row_wise_and_round_trips_through_state_dict():
     model = tiny_model(seed=0).train()
-    rows = sum(p.shape[0] for p in table_parameters(model))
+    # one state per table row, three for a row of the fused Q/K/V table (a row of each of the paper's Q, K and V)
+    rows = sum(p.shape[0] * (3 if n.endswith("query_key_value.tables") else 1) for n, p in model.named_parameters()
+               if any(p is q for q in table_parameters(model)))
     values = sum(p.numel() for p in table_parameters(model))
     optimizer = TableAdamW(table_param_groups(model, "rowwise_adagrad", 0.1), lr=1e-3)
     ids = batch(0)

@@ -281,37 +281,20 @@ def _model_markdown(model: dict) -> list[str]:
                 line += " " + _rss_cell(r, base, name == twin_name, notes) + " |"
             lines.append(line)
         out += lines + [""]
-        fair = speed.get((twin_name + " [few-row linears]", "decode"))
-        if fair and fair.get("tokens_per_s"):
-            ratios = [
-                f"{name} {r['tokens_per_s'] / fair['tokens_per_s']:.2f}x"
-                for name in names
-                if (r := speed.get((name, "decode"))) and r.get("model") == "mf" and r.get("tokens_per_s")
-            ]
+        ratios = _ratios_to(speed, names, twin_name + " [few-row linears]", "decode", "tokens_per_s")
+        if ratios:
             out += [
                 f"Decode against the twin whose every nn.Linear (head included) takes the same few-row pass as "
-                f"MemoryFormer's LM head: {', '.join(ratios)}. This is the MemoryFormer layers' own share of the "
+                f"MemoryFormer's LM head: {ratios}. This is the MemoryFormer layers' own share of the "
                 "decode gain; the rest comes from the head's pass, which any dense model could use.",
                 "",
             ]
-        fair = speed.get((twin_name + " [chunked loss]", "train"))
-        if fair and fair.get("tokens_per_s"):
-            ratios = [
-                f"{name} {r['tokens_per_s'] / fair['tokens_per_s']:.2f}x"
-                for name in names
-                if (r := speed.get((name, "train"))) and r.get("model") == "mf" and r.get("tokens_per_s")
-            ]
-            fair_rss = rss.get((twin_name + " [chunked loss]", "train"))
-            memory = [
-                f"{name} {r['peak_rss_mb'] / fair_rss['peak_rss_mb']:.2f}x"
-                for name in names
-                if fair_rss and fair_rss.get("peak_rss_mb") and (r := rss.get((name, "train")))
-                and r.get("model") == "mf" and r.get("peak_rss_mb")
-            ]
+        ratios = _ratios_to(speed, names, twin_name + " [chunked loss]", "train", "tokens_per_s")
+        if ratios:
+            memory = _ratios_to(rss, names, twin_name + " [chunked loss]", "train", "peak_rss_mb")
             out += [
                 "Training step against the twin computing its loss by the same chunked cross-entropy as MemoryFormer "
-                f"(no [tokens, vocab] logits): {', '.join(ratios)}"
-                + (f"; peak RSS {', '.join(memory)}" if memory else "")
+                f"(no [tokens, vocab] logits): {ratios}" + (f"; peak RSS {memory}" if memory else "")
                 + ". This is the MemoryFormer layers' own share of the training gain; the rest comes from the loss, "
                 "which any dense model could compute this way.",
                 "",
@@ -432,6 +415,19 @@ def _layer_chart(plt, layer: dict | None, mode: str):
                  f"{layer['meta']['cpu']}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _ratios_to(cells: dict, names: list[str], reference: str, workload: str, key: str) -> str:
+    """"name 1.23x, ..." of every MemoryFormer row's `key` over the `reference` contestant's, at `workload` ("" when
+    the reference was not measured)."""
+    base = cells.get((reference, workload))
+    if not base or not base.get(key):
+        return ""
+    return ", ".join(
+        f"{name} {r[key] / base[key]:.2f}x"
+        for name in names
+        if (r := cells.get((name, workload))) and r.get("model") == "mf" and r.get(key)
+    )
 
 
 def _model_chart(plt, model: dict | None):

@@ -234,8 +234,8 @@ def test_pushed_readme_is_the_card_for_the_repo(pushed, hub):
                                 repo_id=REPO_ID)
 
 
-# Runs in a fresh interpreter that cannot import the package: everything comes from the repo on the stand-in.
-CHILD = textwrap.dedent(
+# The start of a child script that cannot import the package: everything comes from the repo on the stand-in.
+WITHOUT_THE_PACKAGE = textwrap.dedent(
     '''
     import contextlib, io, json, re, sys
 
@@ -254,7 +254,11 @@ CHILD = textwrap.dedent(
         pass
     else:
         raise SystemExit("modeling_memoryformer is importable: the remote-code test would prove nothing")
+    '''
+)
 
+CHILD = WITHOUT_THE_PACKAGE + textwrap.dedent(
+    '''
     import torch
     from huggingface_hub import hf_hub_download
     from transformers import AutoModelForCausalLM, pipeline
@@ -318,19 +322,8 @@ def test_remote_code_from_the_hub_reproduces_logits_and_greedy_text(pushed, hub,
 
 
 
-QUANTIZED_CHILD = textwrap.dedent(
+QUANTIZED_CHILD = WITHOUT_THE_PACKAGE + textwrap.dedent(
     '''
-    import json, sys
-
-
-    class BlockPackage:
-        def find_spec(self, name, path=None, target=None):
-            if name == "modeling_memoryformer" or name.startswith("modeling_memoryformer."):
-                raise ImportError(f"{name} is blocked: this process must use the repo's code")
-            return None
-
-
-    sys.meta_path.insert(0, BlockPackage())
     import torch
     from transformers import AutoModelForCausalLM
 

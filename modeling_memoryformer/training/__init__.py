@@ -8,4 +8,4 @@
 
 # The choices of `--table-optimizer`, here so that the command line reads them without importing torch.
 # adamw: the tables in AdamW like every parameter.
-TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad", "adam_rowwise", "adam_blockwise", "adagrad_blockwise")
+TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad", "adam_rowwise")

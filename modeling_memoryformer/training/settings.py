@@ -113,9 +113,8 @@ class TrainingSettings:
         False, "allow resuming from a checkpoint without optimizer/scheduler state (fresh ones)")
     table_optimizer: str = option(
         "adamw", "optimizer of the Memory Layer tables: adamw (like every parameter), rowwise_adagrad (4 bytes of "
-        "state per row), adam_rowwise (a first moment and a row-wise second one), adam_blockwise (a second moment "
-        "per 64 columns) or adagrad_blockwise (a sum per 64 columns); all but adamw are fused into the backward "
-        "pass, with no table gradient (DDP too); no --grad-accum", choices=TABLE_OPTIMIZERS)
+        "state per row) or adam_rowwise (a first moment and a row-wise second one); both are fused into the "
+        "backward pass, with no table gradient (DDP too); no --grad-accum", choices=TABLE_OPTIMIZERS)
     table_lr_multiplier: float = option(
         1.0, "learning rate of the table rule (--table-optimizer other than adamw) over the run's rate")
     fsdp: bool = option(

@@ -11,8 +11,6 @@ decoupled weight decay w <- w - lr * wd * w (as `torch.optim.AdamW`, on every ro
 - ``adam_rowwise`` (Adam with a full first moment and a row-wise second moment: "partial row-wise Adam"):
       m <- b1 m + (1 - b1) g;   v_r <- b2 v_r + (1 - b2) mean_j g_rj^2;
       w <- w - lr * (m / (1 - b1^t)) / (sqrt(v_r / (1 - b2^t)) + eps)
-- ``adam_blockwise`` and ``adagrad_blockwise``: the same with one second moment (AdaGrad sum) per block of
-  STATE_BLOCK (64) columns of a row instead of one per row, so that the columns of a row are scaled apart.
 
 A "row" of the row-wise rules is a row of one of the paper's tables. The attention's Q, K and V are three Memory
 Layers in the paper, with three tables, and one fused table here (`MemoryLayer.row_segments` = 3: each row holds
@@ -23,8 +21,9 @@ setting, since Q, K and V gradients differ in scale; one per Q, K and V row ends
 (Adam), and at 1.013x and 1.014x on Tiny Shakespeare.
 
 State per table parameter: rowwise_adagrad 4 bytes per row (0.2% of a 512-wide table); adam_rowwise 4 bytes per value
-plus 4 per row, half of AdamW's two moments; adam_blockwise 4 bytes per value plus 4 per 64 values;
-adagrad_blockwise 4 bytes per 64 values (1.6% of the table).
+plus 4 per row, half of AdamW's two moments. Two block-wise variants (a second moment or AdaGrad sum per 64 columns
+of a row) were offered before: more state than the row-wise rules and 2.4% (Adam) and 3.8% (AdaGrad) above AdamW's
+perplexity on Tiny Shakespeare, so they were removed.
 
 How it runs (`TableAdamW`): one optimizer object holds every parameter. The dense ones (embeddings, head, norms,
 biases) take AdamW in `step()` as usual. The tables are updated inside the backward pass, fused into the Memory
@@ -60,7 +59,6 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..memory_ops import TABLE_UPDATE_ATTR
@@ -103,51 +101,32 @@ def _fused_step_ops(weight: torch.Tensor, grad: torch.Tensor, *states: torch.Ten
     return torch.ops.memoryformer_cpu if _use_fused(weight) else None
 
 
-STATE_BLOCK = 64  # columns per second moment (AdaGrad sum) of the block-wise rules: a head's width in the attention
-
-
 def second_moment_shape(rows: int, width: int, rule: str, segments: int = 1) -> tuple[int, ...]:
-    """The shape of a table's second moment (or AdaGrad sum): [rows] for the row-wise rules ([rows, segments] for a
-    table whose rows hold `segments` of the paper's rows side by side), [rows, blocks] with one per STATE_BLOCK
-    columns (the last block ragged) for the block-wise ones."""
-    if rule.endswith("_blockwise"):
-        return (rows, -(-width // STATE_BLOCK))
+    """The shape of a table's second moment (or AdaGrad sum): [rows], or [rows, segments] for a table whose rows hold
+    `segments` of the paper's rows side by side. `width` and `rule` do not change it (every rule is row-wise)."""
     return (rows, segments) if segments > 1 else (rows,)
 
 
 def _as_segment_rows(rule: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """For a row-wise rule whose state is [rows, segments]: every tensor viewed as rows of one segment ([R, W] as
-    [R * S, W / S], [R, S] as [R * S]), so that the row-wise formulas (and the fused one-pass update) apply as they
-    are. Views for the tensors that are updated in place; other tensors unchanged."""
+    """For a state of [rows, segments]: every tensor viewed as rows of one segment ([R, W] as [R * S, W / S], [R, S]
+    as [R * S]), so that the row-wise formulas (and the fused one-pass update) apply as they are. Views for the
+    tensors that are updated in place; other tensors unchanged."""
     state = tensors[-1]
-    if rule.endswith("_blockwise") or state.dim() == 1:
+    if state.dim() == 1:
         return tensors
     segments = state.shape[1]
     return tuple(t.reshape(-1) if t is state else t.view(t.shape[0] * segments, t.shape[1] // segments)
                  for t in tensors)
 
 
-def _mean_square_like(grad: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """The mean of g^2 over what each value of `state` covers: a row ([R] state) or each block of STATE_BLOCK
-    columns of a row ([R, B] state; the last block over its own columns)."""
-    if state.dim() == 1:
-        return grad.square().mean(dim=1)
-    rows, width = grad.shape
-    blocks = state.shape[1]
-    squares = grad.square()
-    if blocks * STATE_BLOCK != width:
-        squares = F.pad(squares, (0, blocks * STATE_BLOCK - width))
-    sums = squares.view(rows, blocks, STATE_BLOCK).sum(-1)
-    counts = torch.full((blocks,), float(STATE_BLOCK), dtype=grad.dtype, device=grad.device)
-    counts[-1] = width - (blocks - 1) * STATE_BLOCK
-    return sums / counts
-
-
-def _per_column(per_state: torch.Tensor, width: int) -> torch.Tensor:
-    """A row-wise [R] or block-wise [R, B] quantity broadcast over the [R, width] columns it covers."""
-    if per_state.dim() == 1:
-        return per_state.unsqueeze(1)
-    return per_state.repeat_interleave(STATE_BLOCK, dim=1)[:, :width]
+def _check_row_state(weight: torch.Tensor, grad: torch.Tensor, state: torch.Tensor, name: str) -> None:
+    if weight.dim() != 2 or grad.shape != weight.shape:
+        raise ValueError(f"weight and grad must be [rows, width] of the same shape, got {tuple(weight.shape)} and "
+                         f"{tuple(grad.shape)}.")
+    if state.shape != weight.shape[:1]:
+        raise ValueError(f"{name} must hold one value per row, shape ({weight.shape[0]},), got {tuple(state.shape)}; "
+                         "a table whose rows hold several of the paper's rows is updated as rows of one segment "
+                         "(see _as_segment_rows).")
 
 
 def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, lr: float, eps: float,
@@ -155,7 +134,8 @@ def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: 
     """One row-wise AdaGrad step in place (see the module docstring): weight and grad [R, D], state_sum [R] float32.
     The arithmetic is in float32 (float64 for float64 weights); the weight is written back in its own dtype. float32
     tables take the fused kernel's one-pass update when it is in use (`memory_ops.use_kernel("torch")` avoids it)."""
-    ops = _fused_step_ops(weight, grad, state_sum) if state_sum.dim() == 1 else None
+    _check_row_state(weight, grad, state_sum, "state_sum")
+    ops = _fused_step_ops(weight, grad, state_sum)
     if ops is not None:
         ops.rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay)
         return
@@ -164,17 +144,19 @@ def rowwise_adagrad_update(weight: torch.Tensor, grad: torch.Tensor, state_sum: 
     g = grad.to(acc)
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
-    state_sum.add_(_mean_square_like(g, state_sum).to(state_sum.dtype))
-    w.addcdiv_(g, _per_column(state_sum.to(acc).sqrt() + eps, w.shape[1]), value=-lr)
+    state_sum.add_(g.square().mean(dim=1).to(state_sum.dtype))
+    w.addcdiv_(g, (state_sum.to(acc).sqrt() + eps).unsqueeze(1), value=-lr)
     _store(weight, w)
 
 
 def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """One step of Adam with a row-wise second moment, in place: exp_avg [R, D] and exp_avg_sq [R] in float32, `step`
-    the number of this step (1 for the first). With exp_avg_sq [R, B] (adam_blockwise), one second moment per
-    STATE_BLOCK columns of a row instead."""
-    ops = _fused_step_ops(weight, grad, exp_avg, exp_avg_sq) if exp_avg_sq.dim() == 1 else None
+    the number of this step (1 for the first)."""
+    _check_row_state(weight, grad, exp_avg_sq, "exp_avg_sq")
+    if exp_avg.shape != weight.shape:
+        raise ValueError(f"exp_avg must have the weight's shape {tuple(weight.shape)}, got {tuple(exp_avg.shape)}.")
+    ops = _fused_step_ops(weight, grad, exp_avg, exp_avg_sq)
     if ops is not None:
         ops.adam_rowwise_step(weight, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps, weight_decay)
         return
@@ -185,10 +167,10 @@ def adam_rowwise_update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(g.to(exp_avg.dtype), 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).add_(_mean_square_like(g, exp_avg_sq).to(exp_avg_sq.dtype), alpha=1.0 - beta2)
+    exp_avg_sq.mul_(beta2).add_(g.square().mean(dim=1).to(exp_avg_sq.dtype), alpha=1.0 - beta2)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
-    denom = _per_column((exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps), w.shape[1])
+    denom = (exp_avg_sq.to(acc) / bias2).sqrt_().add_(eps).unsqueeze(1)
     w.addcdiv_(exp_avg.to(acc), denom, value=-lr / bias1)
     _store(weight, w)
 
@@ -454,14 +436,10 @@ def describe(rule: str) -> str:
         "(per row of each of Q, K and V)",
         "adam_rowwise": "Adam with a row-wise second moment on the tables, in the backward pass: 4 bytes per value "
         "(a second moment per row of each of Q, K and V)",
-        "adam_blockwise": f"Adam with a second moment per {STATE_BLOCK} columns of a row, in the backward pass: "
-        f"4 bytes per value",
-        "adagrad_blockwise": f"AdaGrad with a sum per {STATE_BLOCK} columns of a row, in the backward pass: "
-        f"4 bytes per {STATE_BLOCK} values",
     }[rule]
 
 
-__all__ = ["STATE_BLOCK", "TABLE_OPTIMIZERS", "TableAdamW", "adam_rowwise_update", "check_table_optimizer_setup", "describe",
+__all__ = ["TABLE_OPTIMIZERS", "TableAdamW", "adam_rowwise_update", "check_table_optimizer_setup", "describe",
            "optimizer_state_bytes", "rowwise_adagrad_update", "stochastic_round_to_bf16", "table_param_groups",
            "table_parameters"]
 

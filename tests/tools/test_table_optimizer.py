@@ -90,49 +90,27 @@ def test_adam_rowwise_follows_its_formula(kernel):
     torch.testing.assert_close(v.double(), expected_v, rtol=1e-6, atol=1e-8)
 
 
-def test_adam_blockwise_keeps_one_second_moment_per_block_of_columns():
-    """70 columns: a block of STATE_BLOCK (64) and a ragged one of 6, each with its own second moment, against the
-    formula in float64; a TableAdamW group of that rule keeps [rows, 2] second moments."""
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_the_update_functions_refuse_a_state_that_is_not_one_value_per_row(kernel):
+    """A [rows, 2] state (what the removed block-wise rules kept) or a state of another row count is refused by both
+    rules, fused and PyTorch paths alike, before anything is written; TableAdamW keeps one value per row."""
+    require_kernel(kernel)
     w0 = torch.randn(5, 70, generator=torch.Generator().manual_seed(4))
-    grads = random_grads((5, 70), 3, seed=5)
-    for g in grads:
-        g[:, 64:] *= 30.0  # the ragged block's gradients are far larger: one moment per row would mix them
-    w, m, v = w0.clone(), torch.zeros(5, 70), torch.zeros(5, 2)
-    for t, g in enumerate(grads, start=1):
-        adam_rowwise_update(w, g, m, v, t, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    expected = w0.double().clone()
-    em, ev = torch.zeros(5, 70, dtype=torch.float64), torch.zeros(5, 2, dtype=torch.float64)
-    for t, g in enumerate(grads, start=1):
-        g = g.double()
-        for r in range(5):
-            for b, cols in enumerate((slice(0, 64), slice(64, 70))):
-                ev[r, b] = 0.95 * ev[r, b] + 0.05 * (g[r, cols] ** 2).mean()
-                em[r, cols] = 0.9 * em[r, cols] + 0.1 * g[r, cols]
-                step = (em[r, cols] / (1 - 0.9**t)) / ((ev[r, b] / (1 - 0.95**t)).sqrt() + 1e-8)
-                expected[r, cols] = expected[r, cols] * (1 - 0.01 * 0.1) - 0.01 * step
-    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(v.double(), ev, rtol=1e-6, atol=1e-8)
-    assert state_after_one_step("adam_blockwise")["exp_avg_sq"].shape == (160, 1)  # 24 columns: one block
-
-
-def test_adagrad_blockwise_keeps_one_sum_per_block_of_columns():
-    w0 = torch.randn(5, 70, generator=torch.Generator().manual_seed(6))
-    grads = random_grads((5, 70), 3, seed=7)
-    for g in grads:
-        g[:, 64:] *= 30.0
-    w, s = w0.clone(), torch.zeros(5, 2)
-    for g in grads:
-        rowwise_adagrad_update(w, g, s, lr=0.1, eps=1e-8, weight_decay=0.1)
-    expected, es = w0.double().clone(), torch.zeros(5, 2, dtype=torch.float64)
-    for g in grads:
-        g = g.double()
-        for r in range(5):
-            for b, cols in enumerate((slice(0, 64), slice(64, 70))):
-                es[r, b] += (g[r, cols] ** 2).mean()
-                expected[r, cols] = expected[r, cols] * (1 - 0.1 * 0.1) - 0.1 * g[r, cols] / (es[r, b].sqrt() + 1e-8)
-    torch.testing.assert_close(w.double(), expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(s.double(), es, rtol=1e-6, atol=1e-7)
-    assert state_after_one_step("adagrad_blockwise")["sum"].shape == (160, 1)
+    g = torch.randn(5, 70, generator=torch.Generator().manual_seed(5))
+    with memory_ops.use_kernel(kernel):
+        for bad in (torch.zeros(5, 2), torch.zeros(4)):
+            w = w0.clone()
+            with pytest.raises(ValueError, match="state_sum must hold one value per row, shape \\(5,\\)"):
+                rowwise_adagrad_update(w, g, bad.clone(), lr=0.1, eps=1e-8, weight_decay=0.1)
+            with pytest.raises(ValueError, match="exp_avg_sq must hold one value per row"):
+                adam_rowwise_update(w, g, torch.zeros(5, 70), bad.clone(), 1, lr=0.01, betas=(0.9, 0.95),
+                                    eps=1e-8, weight_decay=0.1)
+            with pytest.raises(ValueError, match="exp_avg must have the weight's shape"):
+                adam_rowwise_update(w, g, torch.zeros(5, 7), torch.zeros(5), 1, lr=0.01, betas=(0.9, 0.95),
+                                    eps=1e-8, weight_decay=0.1)
+            assert torch.equal(w, w0)
+    assert state_after_one_step("rowwise_adagrad")["sum"].shape == (160,)
+    assert state_after_one_step("adam_rowwise")["exp_avg_sq"].shape == (160,)
 
 
 def state_after_one_step(rule: str) -> dict:
@@ -359,7 +337,7 @@ def test_gradient_checkpointing_gives_the_same_update_in_the_backward():
         model = tiny_model(seed=0).train()
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = TableAdamW(table_param_groups(model, "adam_blockwise", 0.1), lr=1e-2)
+        optimizer = TableAdamW(table_param_groups(model, "adam_rowwise", 0.1), lr=1e-2)
         for step in range(2):
             ids = batch(step)
             model(input_ids=ids, labels=ids).loss.backward()

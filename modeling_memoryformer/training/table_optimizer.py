@@ -101,13 +101,13 @@ def _fused_step_ops(weight: torch.Tensor, grad: torch.Tensor, *states: torch.Ten
     return torch.ops.memoryformer_cpu if _use_fused(weight) else None
 
 
-def second_moment_shape(rows: int, width: int, rule: str, segments: int = 1) -> tuple[int, ...]:
-    """The shape of a table's second moment (or AdaGrad sum): [rows], or [rows, segments] for a table whose rows hold
-    `segments` of the paper's rows side by side. `width` and `rule` do not change it (every rule is row-wise)."""
+def second_moment_shape(rows: int, segments: int = 1) -> tuple[int, ...]:
+    """The shape of a table's second moment (or AdaGrad sum), the same for every rule: [rows], or [rows, segments]
+    for a table whose rows hold `segments` of the paper's rows side by side."""
     return (rows, segments) if segments > 1 else (rows,)
 
 
-def _as_segment_rows(rule: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _as_segment_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """For a state of [rows, segments]: every tensor viewed as rows of one segment ([R, W] as [R * S, W / S], [R, S]
     as [R * S]), so that the row-wise formulas (and the fused one-pass update) apply as they are. Views for the
     tensors that are updated in place; other tensors unchanged."""
@@ -308,7 +308,7 @@ class TableAdamW(torch.optim.AdamW):
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             rule = group["table_rule"]
-            shape = second_moment_shape(rows, param.shape[1], rule, _segments_of(param, group))
+            shape = second_moment_shape(rows, _segments_of(param, group))
             if rule.startswith("adam_"):
                 state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=param.device)
@@ -326,13 +326,12 @@ class TableAdamW(torch.optim.AdamW):
         state = self.state[param]
         lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
         weight = param[start:stop]
-        rule = group["table_rule"]
-        if "sum" in state:  # the AdaGrad rules
-            rowwise_adagrad_update(*_as_segment_rows(rule, weight, grad.contiguous(), state["sum"][start:stop]),
+        if "sum" in state:  # rowwise_adagrad
+            rowwise_adagrad_update(*_as_segment_rows(weight, grad.contiguous(), state["sum"][start:stop]),
                                    lr, eps, weight_decay)
         else:
             weight, grad, exp_avg, exp_avg_sq = _as_segment_rows(
-                rule, weight, grad.contiguous(), state["exp_avg"][start:stop], state["exp_avg_sq"][start:stop])
+                weight, grad.contiguous(), state["exp_avg"][start:stop], state["exp_avg_sq"][start:stop])
             adam_rowwise_update(weight, grad, exp_avg, exp_avg_sq, int(state["step"].item()), lr,
                                 tuple(group["betas"]), eps, weight_decay)
 

@@ -2,10 +2,10 @@
 
 The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, the packed pass for float32
 tables from two lookups per row, and the bucketed pass that streams the tables once, for other dtypes beyond the cache
-with many tokens); the backward always takes the bucketed pass, in chunks of 2048 tokens and column blocks of 64. Tiny
-layers never reach most of these branches, so this file forces each one (`lookup_strategy`) on shapes around its
-edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one, two and three chunks), widths below, at and between
-multiples of 64 (ragged last block), several groups of packed tables, and every table dtype.
+with many tokens); the backward always takes the bucketed pass, in chunks of tokens set by the caches and column
+blocks of 64. Tiny layers never reach most of these branches, so this file forces each one (`lookup_strategy`, pinned
+cache sizes) on shapes around its edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one to several chunks), widths
+below, at and between multiples of 64 (ragged last block), several groups of packed tables, and every table dtype.
 
 Oracle: the dense one-hot formulation in float64, y = S @ T with S[n, row] = score (an [N, R] matrix built by
 scatter), so grad_T = S^T @ grad_y and grad_S = grad_y @ T^T, computed by torch.mm, not by any gather.
@@ -220,7 +220,13 @@ def test_lookup_op_matches_the_bucketed_pass_at_every_size(n, dtype):
     "n, num_tables, hash_bits, out_features",
     [(0, 2, 3, 8), (1, 3, 4, 5), (2047, 2, 6, 65), (2048, 3, 4, 128), (2049, 2, 5, 130), (4100, 2, 3, 200)],
 )
-def test_bucketed_backward_equals_one_hot_transposes(n, num_tables, hash_bits, out_features, dtype):
+@pytest.mark.parametrize("caches", ["detected", "small"])
+def test_bucketed_backward_equals_one_hot_transposes(n, num_tables, hash_bits, out_features, dtype, caches, machine):
+    """With the detected caches a backward of up to 16384 tokens is one chunk here (a quarter of a 32 MB L3 for each of
+    2 threads); 'small' caches (256 KB L2, 1 MB L3, 2 threads: 512-token chunks in float32, 256 in float64) make the
+    larger token counts several chunks, whose later ones add to the table gradient the first one wrote."""
+    if caches == "small":
+        machine(32 << 10, 256 << 10, 1 << 20, 2)
     rows, scores, tables, _ = hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=1)
     g = torch.Generator().manual_seed(7)
     grad_y = torch.randn(n, out_features, generator=g).to(dtype)

@@ -275,6 +275,40 @@ def layer_input(seed: int, tokens: int = 37) -> torch.Tensor:
     return torch.randn(tokens, 40, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("tokens, tables_per_group", [(64, 1), (256, 2), (2048, 5)])
+def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(tokens, tables_per_group, monkeypatch):
+    """Without an override, a group of tables is at least a quarter of the LLC (1 MB with the 4 MB L3 pinned here), at
+    least twice the output gradient (each group re-reads it all), and at most half of the layer's tables. A layer of
+    10 tables of 2 MB (256 rows x 2048 float32 columns, 20 MB): 64 tokens (0.5 MB of gradient) give one table per
+    group, 256 tokens (2 MB) two, 2048 tokens (16 MB) the cap of five, never the whole layer."""
+    require_kernel("fused")
+    from modeling_memoryformer.modeling_memoryformer import MemoryLayer
+
+    monkeypatch.setattr(memory_ops, "UPDATE_GROUP_BYTES", None)
+    torch.ops.memoryformer_cpu.set_cache_sizes(32 << 10, 256 << 10, 4 << 20)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(MemoryLayer(80, 2048, hash_bits=8, bias=False))
+        optimizer = TableAdamW(table_param_groups(net, "rowwise_adagrad", 0.0), lr=0.01)
+        update = getattr(net[0].tables, memory_ops.TABLE_UPDATE_ATTR)
+        seen = []
+        original = update.optimizer.update_rows
+
+        def recording(param, grad, start, stop, group):
+            seen.append((start, stop))
+            original(param, grad, start, stop, group)
+
+        monkeypatch.setattr(update.optimizer, "update_rows", recording)
+        with memory_ops.use_kernel("fused"):
+            net(torch.randn(tokens, 80)).square().mean().backward()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.ops.memoryformer_cpu.set_cache_sizes(0, 0, 0)
+    rows = tables_per_group * 256
+    expected = [(start, min(start + rows, 2560)) for start in range(0, 2560, rows)]
+    assert seen == expected
+
+
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 @pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam_rowwise"])
 def test_update_in_the_backward_equals_the_rule_on_the_whole_gradient(kernel, rule, monkeypatch):

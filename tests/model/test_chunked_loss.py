@@ -75,6 +75,20 @@ def test_loss_and_gradients_match_float64_oracle(chunk_tokens, bias):
                    oracle(hidden, weight, b, labels), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_rows", [1, 3, 7])
+@pytest.mark.parametrize("chunk_tokens", [7, 10, 64])
+def test_softmax_by_blocks_of_rows_matches_the_oracle(block_rows, chunk_tokens, monkeypatch):
+    """The softmax steps take a chunk's logits a few rows at a time (a quarter of the LLC of a real vocabulary; one block
+    for this one unless forced): blocks that divide the chunk, that do not, and as large as it give the same loss and
+    gradients, ignored positions included."""
+    from modeling_memoryformer import memory_ops
+
+    monkeypatch.setattr(memory_ops, "_softmax_block_rows", lambda vocab, itemsize: block_rows)
+    hidden, weight, b, labels = problem(bias=True)
+    assert_matches(ours(hidden, weight, b, labels, chunk_tokens=chunk_tokens),
+                   oracle(hidden, weight, b, labels), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("num_items_in_batch", [40, torch.tensor(40), torch.tensor(7.0)])
 @pytest.mark.parametrize("chunk_tokens", [7, 64])
 def test_num_items_in_batch_divides_the_sum(num_items_in_batch, chunk_tokens):

@@ -297,10 +297,20 @@ def table_update_for(tables: torch.Tensor):
     return update
 
 
+def cache_share_bytes() -> int:
+    """A quarter of the last-level cache as the fused kernel reports it (at least 1 MB), else 8 MB: the working set a
+    pass may keep in cache beside what else runs."""
+    if _fused_state:
+        l3 = int(torch.ops.memoryformer_cpu.machine_info()[2])
+        if l3 > 0:
+            return max(1 << 20, l3 // 4)
+    return 8 << 20
+
+
 def update_group_bytes(grad_bytes: int = 0, table_bytes: int | None = None) -> int:
     """Bytes of table gradient computed before its update, for a layer whose output gradient holds `grad_bytes` and
-    whose tables `table_bytes`: at least a quarter of the last-level cache when the fused kernel reports it (else
-    8 MB), at least twice the output gradient, and at most half of the tables. `UPDATE_GROUP_BYTES` overrides.
+    whose tables `table_bytes`: at least `cache_share_bytes()` (a quarter of the last-level cache), at least twice the
+    output gradient, and at most half of the tables. `UPDATE_GROUP_BYTES` overrides.
 
     Every group reads the whole output gradient again (each of its tokens looks up every table), so groups much
     smaller than that gradient spend more time re-reading it than on the tables: with MF-tiny's Q/K/V layer at
@@ -311,12 +321,7 @@ def update_group_bytes(grad_bytes: int = 0, table_bytes: int | None = None) -> i
     """
     if UPDATE_GROUP_BYTES is not None:
         return int(UPDATE_GROUP_BYTES)
-    budget = 8 << 20
-    if _fused_state:
-        l3 = int(torch.ops.memoryformer_cpu.machine_info()[2])
-        if l3 > 0:
-            budget = max(1 << 20, l3 // 4)
-    budget = max(budget, 2 * grad_bytes)
+    budget = max(cache_share_bytes(), 2 * grad_bytes)
     if table_bytes is not None:
         budget = min(budget, table_bytes // 2)
     return budget
@@ -922,12 +927,7 @@ def _softmax_block_rows(vocab: int, itemsize: int) -> int:
     the fused kernel does not report it), so that after the first read of a block its max, exp, sum and scaling run
     from cache instead of as five passes over the whole [chunk, V] block from memory (41 rows of a 50304-token
     vocabulary with a 32 MB L3: 32 ms to 24 ms per 512-token chunk on the AMD EPYC, same values to the bit)."""
-    budget = 8 << 20
-    if _fused_state:
-        l3 = int(torch.ops.memoryformer_cpu.machine_info()[2])
-        if l3 > 0:
-            budget = max(1 << 20, l3 // 4)
-    return max(1, budget // max(1, vocab * itemsize))
+    return max(1, cache_share_bytes() // max(1, vocab * itemsize))
 
 
 def _linear_cross_entropy_pass(hidden, weight, bias, labels, chunk_tokens, ignore_index, num_items_in_batch,

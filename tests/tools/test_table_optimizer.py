@@ -275,12 +275,17 @@ def layer_input(seed: int, tokens: int = 37) -> torch.Tensor:
     return torch.randn(tokens, 40, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("tokens, tables_per_group", [(64, 1), (256, 2), (2048, 5)])
-def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(tokens, tables_per_group, monkeypatch):
+@pytest.mark.parametrize(
+    "tokens, table_dtype, tables_per_group",
+    [(64, None, 1), (256, None, 2), (2048, None, 5), (2048, "bfloat16", 1)],
+)
+def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(tokens, table_dtype, tables_per_group,
+                                                                               monkeypatch):
     """Without an override, a group of tables is at least a quarter of the LLC (1 MB with the 4 MB L3 pinned here), at
     least twice the output gradient (each group re-reads it all), and at most half of the layer's tables. A layer of
     10 tables of 2 MB (256 rows x 2048 float32 columns, 20 MB): 64 tokens (0.5 MB of gradient) give one table per
-    group, 256 tokens (2 MB) two, 2048 tokens (16 MB) the cap of five, never the whole layer."""
+    group, 256 tokens (2 MB) two, 2048 tokens (16 MB) the cap of five, never the whole layer. bfloat16 tables, which
+    each group converts to float32, keep groups of the cache share whatever the gradient: one table here."""
     require_kernel("fused")
     from modeling_memoryformer.modeling_memoryformer import MemoryLayer
 
@@ -288,7 +293,7 @@ def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(t
     torch.ops.memoryformer_cpu.set_cache_sizes(32 << 10, 256 << 10, 4 << 20)
     try:
         torch.manual_seed(0)
-        net = torch.nn.Sequential(MemoryLayer(80, 2048, hash_bits=8, bias=False))
+        net = torch.nn.Sequential(MemoryLayer(80, 2048, hash_bits=8, bias=False, table_dtype=table_dtype))
         optimizer = TableAdamW(table_param_groups(net, "rowwise_adagrad", 0.0), lr=0.01)
         update = getattr(net[0].tables, memory_ops.TABLE_UPDATE_ATTR)
         seen = []

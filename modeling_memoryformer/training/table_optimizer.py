@@ -29,10 +29,10 @@ How it runs (`TableAdamW`): one optimizer object holds every parameter. The dens
 biases) take AdamW in `step()` as usual. The tables are updated inside the backward pass, fused into the Memory
 Layer's backward: the optimizer attaches an update to each table parameter (memory_ops.TABLE_UPDATE_ATTR), and the
 lookup's backward computes the table gradient one group of whole tables at a time (`memory_ops.update_group_bytes`:
-at least a quarter of the last-level cache and twice the layer's output gradient, at most half of its tables), takes
-that group's score gradient from the not yet updated rows, and hands the group to the rule at once. No tensor the
-size of the tables ever holds a gradient and `.grad` stays None; the rules are row-wise, so updating the rows group
-by group equals one update of the whole table. A table whose gradient arrives
+at least a quarter of the last-level cache and, for float32 tables, twice the layer's output gradient, at most half
+of its tables), takes that group's score gradient from the not yet updated rows, and hands the group to the rule at
+once. No tensor the size of the tables ever holds a gradient and `.grad` stays None; the rules are row-wise, so
+updating the rows group by group equals one update of the whole table. A table whose gradient arrives
 by another path (a `.grad` set by hand, or under torch.compile, which traces the plain lookup) is updated by a
 post-accumulate-grad hook or in `step()`, by the same rule. The learning-rate schedule reaches the tables through
 their parameter group, like any group; the table states sit in `optimizer.state`, so `state_dict()` (the Trainer's

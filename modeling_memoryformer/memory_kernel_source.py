@@ -214,10 +214,13 @@ Tuning tuning() {
   return t;
 }
 
-// Tokens per bucketed chunk: the compact [chunk, kBlock] block in the accumulation type fills bucket_bytes.
-template <typename A> int64_t bucket_chunk(const Tuning& t) {
-  return std::min<int64_t>(1 << 20, std::max<int64_t>(256, t.bucket_bytes / (kBlock * int64_t(sizeof(A)))));
+// Tokens whose compact [chunk, kBlock] block in the accumulation type fills `bytes` (256 to 2^20).
+template <typename A> int64_t chunk_tokens(int64_t bytes) {
+  return std::min<int64_t>(1 << 20, std::max<int64_t>(256, bytes / (kBlock * int64_t(sizeof(A)))));
 }
+
+// Tokens per chunk of the bucketed forward: the compact block fills bucket_bytes (half of L2).
+template <typename A> int64_t bucket_chunk(const Tuning& t) { return chunk_tokens<A>(t.bucket_bytes); }
 
 // Tokens per chunk of the backward: a compact block of up to a quarter of the LLC's share per thread (4 MB each for 2
 // threads and a 32 MB L3), at least bucket_bytes. Every chunk beyond the first streams the table again and reads
@@ -226,8 +229,7 @@ template <typename A> int64_t bucket_chunk(const Tuning& t) {
 // MF-tiny's Memory Block layer 2 (32 x 1024 rows, 1024 columns) took 45 ms in 2 chunks of the L2 rule and 24 ms in one,
 // 16384 tokens 188 ms in 8 chunks and 53 ms in one.
 template <typename A> int64_t backward_chunk(const Tuning& t, int threads) {
-  const int64_t bytes = std::max<int64_t>(t.bucket_bytes, t.llc / 4 / std::max(1, threads));
-  return std::min<int64_t>(1 << 20, std::max<int64_t>(256, bytes / (kBlock * int64_t(sizeof(A)))));
+  return chunk_tokens<A>(std::max<int64_t>(t.bucket_bytes, t.llc / 4 / std::max(1, threads)));
 }
 
 // exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free

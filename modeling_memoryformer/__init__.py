@@ -2,8 +2,9 @@
 
 The modules at this level are the model unit, the files that `save_pretrained` copies next to the weights for
 `trust_remote_code=True`: configuration_memoryformer, modeling_memoryformer, memory_ops (the Memory Layer op, its
-reference and the kernel dispatch and loader), quantization (int8 / bfloat16 tables and LM head for inference) and
-memory_kernel_source (generated from csrc/). They import no tool.
+reference and the kernel dispatch and loader), quantization (int8 / bfloat16 tables and LM head for inference),
+transformers_compat (the differences between the supported transformers releases) and memory_kernel_source
+(generated from csrc/). They import no tool.
 The tools are the subpackages, each importing the model unit and never imported by it: training, evaluation,
 conversion, comparison (the Pythia twin and the demo), integrations (Hub, PEFT, distribution) and cli (the
 `memoryformer` command); presets holds the preset configs.

@@ -15,11 +15,10 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -49,6 +48,15 @@ from .quantization import (
     int8_views,
     quantize_int8_rows,
     training_refusal,
+)
+from .transformers_compat import (
+    CACHE_FIELD,
+    CACHE_NAMES,
+    cache_argument,
+    causal_mask,
+    check_keywords,
+    slice_logits_to_keep,
+    with_cache,
 )
 
 
@@ -519,7 +527,7 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["MemoryFormerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_NAMES)
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -530,6 +538,11 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
         "hidden_states": MemoryFormerDecoderLayer,
         "attentions": MemoryFormerAttention,
     }
+
+    def _attention_function(self) -> Callable | None:
+        """The attention function the layers call, or None for this file's `eager_attention_forward`."""
+        function = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        return None if function is eager_attention_forward else function
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -701,8 +714,13 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""past_key_values / cache: the KV cache, under either name (transformers 5.24 renamed `past_key_values` to
+        `cache`); the output holds it under the running release's name."""
+        check_keywords(MemoryFormerModel.forward, kwargs, self._attention_function())
+        past_key_values = cache_argument(past_key_values, cache)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
@@ -720,11 +738,11 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        causal_mask = create_causal_mask(
+        mask = causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=past_key_values,
             position_ids=position_ids,
         )
         hidden_states = self.emb_dropout(inputs_embeds)
@@ -732,14 +750,14 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
                 position_ids=position_ids,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return with_cache(BaseModelOutputWithPast, past_key_values, last_hidden_state=hidden_states)
 
 
 class MemoryFormerLMHead(nn.Linear):
@@ -788,6 +806,7 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""labels: [batch, seq] token ids (-100 = ignored); the loss is next-token cross-entropy (shifted inside).
@@ -796,12 +815,15 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         `config.loss_chunk_tokens` tokens (`memory_ops.linear_cross_entropy`, same loss and gradients), so the logits
         are not materialised: `logits` is None. Set `config.loss_chunk_tokens = 0` to get them. A head with hooks,
         PEFT or accelerate wrappers, a quantised or narrower-than-model head, `logits_to_keep`, or a custom
-        `loss_function` keep the full-logits path."""
+        `loss_function` keep the full-logits path.
+
+        past_key_values / cache: the KV cache, under either name (see `MemoryFormerModel.forward`)."""
+        check_keywords(MemoryFormerForCausalLM.forward, kwargs, self._attention_function())
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=cache_argument(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -820,10 +842,11 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden_states)  # [batch, kept positions, vocab]
             if labels is not None:
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return with_cache(
+            CausalLMOutputWithPast,
+            getattr(outputs, CACHE_FIELD),
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -44,6 +44,28 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -
     return model.to(dtype)
 
 
+def checkpointing_enable(model, use_reentrant: bool | None = None) -> None:
+    """`activation_checkpointing_enable` (transformers 5.23+), or the `gradient_checkpointing_enable` it renamed."""
+    options = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def checkpointing_disable(model) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def checkpointing_enabled(model) -> bool:
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return model.is_activation_checkpointing
+    return model.is_gradient_checkpointing
+
+
 @pytest.fixture
 def model():
     return tiny_model()

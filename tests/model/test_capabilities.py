@@ -74,7 +74,7 @@ def test_declared_flags():
     assert cls._supports_sdpa and cls._supports_attention_backend and cls._can_compile_fullgraph
     assert cls.supports_gradient_checkpointing
     assert not cls._supports_flash_attn and not cls._supports_flex_attn and not cls._supports_context_parallel
-    assert not tiny_model().supports_context_parallel
+    assert not getattr(tiny_model(), "supports_context_parallel", False)  # the property exists from transformers 5.19
 
 
 @pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])

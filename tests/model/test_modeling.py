@@ -25,7 +25,7 @@ from modeling_memoryformer import (
 )
 from modeling_memoryformer.memory_ops import memory_lookup_reference
 
-from conftest import TINY, tiny_config, tiny_model
+from conftest import TINY, checkpointing_enable, tiny_config, tiny_model
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(input_ids):
     def grads(checkpointing: bool):
         model = tiny_model().train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            checkpointing_enable(model)
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         calls = []
         block = model.model.layers[0].memory_block

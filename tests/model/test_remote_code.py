@@ -28,7 +28,7 @@ PACKAGE_DIR = Path(modeling_memoryformer.__file__).parent
 # (besides __init__.py and the C++ in csrc/, which travels as memory_kernel_source.py).
 MODEL_FILES = [
     "configuration_memoryformer.py", "memory_kernel_source.py", "memory_ops.py", "modeling_memoryformer.py",
-    "quantization.py",
+    "quantization.py", "transformers_compat.py",
 ]
 SAVED_FILES = ["config.json", "generation_config.json", "model.safetensors", *MODEL_FILES]
 # config.json, generation_config.json and model.safetensors of a tiny model saved by release 0.1.0 (git 0630197), and

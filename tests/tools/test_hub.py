@@ -260,7 +260,9 @@ WITHOUT_THE_PACKAGE = textwrap.dedent(
 CHILD = WITHOUT_THE_PACKAGE + textwrap.dedent(
     '''
     import torch
+    import transformers
     from huggingface_hub import hf_hub_download
+    from packaging.version import Version
     from transformers import AutoModelForCausalLM, pipeline
 
     repo_id, inputs_path, outputs_path, prompt = sys.argv[1:5]
@@ -268,7 +270,11 @@ CHILD = WITHOUT_THE_PACKAGE + textwrap.dedent(
     with torch.no_grad():
         logits = lm(torch.load(inputs_path)).logits
     generator = pipeline("text-generation", model=repo_id, trust_remote_code=True)
-    text = generator(prompt)[0]["generated_text"]  # the repo's generation config decides length and greediness
+    # The repo's generation config decides length and greediness. Before transformers 5.16 the text-generation
+    # pipeline let its own defaults (256 sampled tokens) override any model's generation config (GPT-NeoX's too):
+    # there, the same settings are passed explicitly.
+    older = Version(transformers.__version__) < Version("5.16")
+    text = generator(prompt, **(dict(do_sample=False, max_new_tokens=12) if older else {}))[0]["generated_text"]
 
     # The card's own remote-code snippets, run as a user would copy them.
     card = open(hf_hub_download(repo_id, "README.md")).read()

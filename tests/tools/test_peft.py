@@ -26,7 +26,7 @@ from modeling_memoryformer.integrations.peft import (
     register_memoryformer_lora,
 )
 
-from conftest import TINY, tiny_model
+from conftest import TINY, checkpointing_enable, tiny_model
 
 
 R, ALPHA = 4, 8
@@ -414,7 +414,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(ids, kind):
         model = peft_model(kind)
         randomize_adapters(model, seed=18)  # B != 0, so that A gets a gradient too
         if checkpointing:
-            model.activation_checkpointing_enable()
+            checkpointing_enable(model)
         model.train()
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _training_data import synthetic_lm_data
-from conftest import require_kernel, tiny_config, tiny_model
+from conftest import checkpointing_enable, require_kernel, tiny_config, tiny_model
 from modeling_memoryformer import MemoryFormerForCausalLM, memory_ops
 from modeling_memoryformer.training.table_optimizer import (
     TableAdamW,
@@ -375,7 +375,7 @@ def test_gradient_checkpointing_gives_the_same_update_in_the_backward():
     for checkpointing in (False, True):
         model = tiny_model(seed=0).train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing_enable(model, use_reentrant=False)
         optimizer = TableAdamW(table_param_groups(model, "adam_rowwise", 0.1), lr=1e-2)
         for step in range(2):
             ids = batch(step)

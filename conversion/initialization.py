@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from transformers.masking_utils import create_causal_mask
+from modeling_memoryformer.transformers_compat import causal_mask
 
 from .mapping import MEMORY_LAYER_NAMES, DenseLayer
 from .tables import (
@@ -146,9 +146,7 @@ def calibrate(
 def _block_arguments(model: nn.Module, hidden: torch.Tensor) -> dict:
     """Causal mask and rotary embedding for a decoder layer run on its own, as `MemoryFormerModel.forward` builds them."""
     position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None, :]
-    mask = create_causal_mask(
-        config=model.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
-    )
+    mask = causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids)
     return {"attention_mask": mask, "position_embeddings": model.rotary_emb(hidden, position_ids=position_ids)}
 
 

@@ -162,7 +162,7 @@ def copy_dense_weights(teacher: nn.Module, student: nn.Module) -> None:
     layer's bias. The Memory Block's inner LayerNorm becomes the identity affine map. Tables are left as they are."""
     source, target = teacher.gpt_neox, student.model
     target.embed_tokens.weight.copy_(source.embed_in.weight)
-    student.lm_head.weight.copy_(teacher.lm_head.weight)
+    student.lm_head.weight.copy_(teacher.get_output_embeddings().weight)  # `embed_out` before transformers 5.23
     _copy_norm(source.final_layer_norm, target.norm)
     for dense, layer_in, layer_out in zip(dense_layers(teacher), source.layers, target.layers):
         _copy_norm(layer_in.input_layernorm, layer_out.input_layernorm)

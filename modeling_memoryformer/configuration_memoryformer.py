@@ -83,7 +83,7 @@ class MemoryFormerConfig(PreTrainedConfig):
     """
 
     model_type = "memoryformer"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the KV cache's name up to / from transformers 5.24
 
     def __init__(
         self,
@@ -307,11 +307,37 @@ class MemoryFormerConfig(PreTrainedConfig):
             raise ValueError(
                 f"rope_parameters['partial_rotary_factor']={factor!r} must be a number in (0, 1]; Pythia uses 0.25."
             )
+        head_dim = self.head_dim
+        if int(head_dim * factor) < 1:  # the width MemoryFormerRotaryEmbedding takes: no rotary dims at all
+            raise ValueError(
+                f"rope_parameters['partial_rotary_factor']={factor!r} rotates int({head_dim} * {factor!r}) = 0 of the "
+                f"{head_dim} dims of each head: the model would have no position information. Use at least "
+                f"1 / head_dim = {1 / head_dim:g} (Pythia uses 0.25)."
+            )
         theta = rope.get("rope_theta")
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
             raise ValueError(f"rope_parameters['rope_theta'] must be a number > 0, got {theta!r}.")
 
     # ----------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reader of config.json, which refuses another architecture's config (transformers only logs a
+        warning, then builds a MemoryFormer from it and loads whatever tensors share a name)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type != cls.model_type:
+            hint = (
+                f"Convert it into a MemoryFormer with `memoryformer convert --from {pretrained_model_name_or_path} "
+                "--out <folder>`, then load that folder."
+                if model_type == "gpt_neox"
+                else "Load it with the class of its architecture (e.g. transformers' AutoModel) instead."
+            )
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds a {model_type!r} model (config.json's model_type), not a "
+                f"MemoryFormer ('{cls.model_type}'). {hint}"
+            )
+        return config_dict, kwargs
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MemoryFormerConfig":
         """The paper's presets: "tiny" (Pythia-70M shape), "small" (Pythia-160M), "base" (Pythia-410M).

@@ -521,6 +521,36 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.post_memory_dropout(block_output)
 
 
+def check_loaded_exactly(model: nn.Module, info: dict, source) -> None:
+    """Raise if `from_pretrained` left a tensor of `model` unloaded or found tensors the model has no place for (but
+    the LM head of a causal-LM checkpoint loaded into the head-less `MemoryFormerModel`)."""
+    missing = sorted(info.get("missing_keys") or ())
+    headless = not hasattr(model, "lm_head")
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not (headless and k.startswith("lm_head.")))
+    if not missing and not unexpected:
+        return
+
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+
+    int8_parts = (".tables_codes", ".tables_scale", ".tables_offset")
+    if any(k.endswith(int8_parts) for k in missing) and any(k.endswith(".tables") for k in unexpected):
+        hint = ("config.json says table_dtype='int8' but the file holds float tables: set table_dtype to null in "
+                "config.json (and quantise after loading with model.quantize_tables('int8') if you want int8).")
+    elif any(k.endswith(".tables") for k in missing) and any(k.endswith(int8_parts) for k in unexpected):
+        hint = "the file holds int8 tables but config.json does not say table_dtype='int8': set it in config.json."
+    else:
+        hint = ("The file is incomplete or was saved from another configuration, so the model is refused (transformers "
+                "alone would fill the missing tensors with random values). To start from part of it on purpose, build "
+                "the model from its config and call model.load_state_dict(tensors, strict=False) yourself.")
+    parts = [f"{len(missing)} missing ({names(missing)})" if missing else "",
+             f"{len(unexpected)} it has no place for ({names(unexpected)})" if unexpected else ""]
+    raise ValueError(
+        f"The checkpoint at {source} does not match this {type(model).__name__}: tensors "
+        f"{' and '.join(p for p in parts if p)}. {hint}"
+    )
+
+
 class MemoryFormerPreTrainedModel(PreTrainedModel):
     config_class = MemoryFormerConfig
     config: MemoryFormerConfig
@@ -538,6 +568,16 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
         "hidden_states": MemoryFormerDecoderLayer,
         "attentions": MemoryFormerAttention,
     }
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, refusing a checkpoint that does not hold exactly the tensors this model
+        needs: transformers only logs a warning and leaves the missing ones at random values (NaN logits for int8
+        tables without their scales). `output_loading_info=True` still returns the loading report."""
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        check_loaded_exactly(model, info, pretrained_model_name_or_path)
+        return (model, info) if wants_info else model
 
     def _attention_function(self) -> Callable | None:
         """The attention function the layers call, or None for this file's `eager_attention_forward`."""
@@ -701,6 +741,34 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    # Input checks that read tensor values: skipped while torch.compile traces (they would break the graph).
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        vocab = getattr(self.embed_tokens, "num_embeddings", self.config.vocab_size)
+        if torch.compiler.is_compiling() or input_ids.numel() == 0 or input_ids.is_floating_point():
+            return
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary [0, {vocab}) of this "
+                "model. Use the tokenizer the model was trained with, or resize the embeddings "
+                "(model.resize_token_embeddings) after adding tokens."
+            )
+
+    @staticmethod
+    def _check_attention_mask(attention_mask, inputs_embeds: torch.Tensor, cache: Cache | None) -> None:
+        """A 2-D attention_mask covers the cached tokens and the new ones: [batch, past + seq_len]."""
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+            return
+        batch, seq_len = inputs_embeds.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        if tuple(attention_mask.shape) != (batch, past + seq_len):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but the input is {batch} x {seq_len} tokens"
+                + (f" after {past} cached ones" if past else "")
+                + f": it needs shape ({batch}, {past + seq_len}), one entry per token (1 = attend, 0 = padding), the "
+                "cached tokens first. Pass the mask the tokenizer returned with these ids."
+            )
+
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
@@ -724,6 +792,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
+            self._check_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)  # [batch, seq, hidden]
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
             raise ValueError(
@@ -733,6 +802,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
             )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        self._check_attention_mask(attention_mask, inputs_embeds, past_key_values)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens

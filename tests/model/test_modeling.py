@@ -514,20 +514,57 @@ def test_from_pretrained_meta_loading_restores_parameters_and_rotary_buffers(tmp
     assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)
 
 
-def test_from_pretrained_initialises_missing_tables_with_table_init_std(tmp_path):
+def test_from_pretrained_refuses_a_checkpoint_missing_tensors(tmp_path):
+    """transformers alone would log a warning and fill the missing tensors with random values."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    del state["model.layers.0.memory_block.layer2.tables"], state["model.layers.1.attention.query_key_value.bias"]
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="2 missing") as error:
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    assert "model.layers.0.memory_block.layer2.tables" in str(error.value)
+    assert "model.layers.1.attention.query_key_value.bias" in str(error.value)
+    with pytest.raises(ValueError, match="missing"):  # asking for the loading report does not turn the check off
+        MemoryFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+
+
+def test_from_pretrained_refuses_a_checkpoint_without_its_lm_head_and_foreign_tensors(tmp_path):
+    model = tiny_model()
+    state = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    MemoryFormerModel(model.config).save_pretrained(tmp_path)  # a head-less checkpoint
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    state["model.layers.0.attention.dense.tables"] = torch.zeros(4, 4)  # no such layer in this model
+    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="1 it has no place for .model.layers.0.attention.dense.tables"):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    # The LM head of a causal-LM checkpoint is no foreign tensor for the head-less base model.
+    model.save_pretrained(tmp_path)
+    base = MemoryFormerModel.from_pretrained(tmp_path)
+    assert torch.equal(base.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_mismatched_tables_reinitialised_on_request_use_table_init_std(tmp_path):
+    """`ignore_mismatched_sizes=True` asks transformers to re-initialise tensors of another shape: tables get
+    N(0, table_init_std) and zero biases, the rest is loaded."""
     model = tiny_model(table_init_std=0.25, hidden_size=128)
     model.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     state = load_file(path)
-    missing = "model.layers.0.memory_block.layer2.tables"
-    del state[missing]
-    del state["model.layers.0.memory_block.layer2.bias"]
+    mismatched = "model.layers.0.memory_block.layer2.tables"
+    state[mismatched] = state[mismatched][:-1].clone()
+    state["model.layers.0.memory_block.layer2.bias"] = torch.ones(3)
     save_file(state, path, metadata={"format": "pt"})
-    loaded = MemoryFormerForCausalLM.from_pretrained(tmp_path)
-    table = loaded.get_parameter(missing)
+    with pytest.raises(RuntimeError, match="size mismatch|ignore_mismatched_sizes"):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    loaded = MemoryFormerForCausalLM.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
+    table = loaded.get_parameter(mismatched)
     assert torch.isfinite(table).all()
     assert abs(table.std().item() - 0.25) < 0.01 and abs(table.mean().item()) < 0.01
-    assert not torch.equal(table, model.get_parameter(missing))
+    assert not torch.equal(table, model.get_parameter(mismatched))
     assert torch.all(loaded.get_parameter("model.layers.0.memory_block.layer2.bias") == 0)
     assert torch.equal(loaded.get_parameter("model.layers.0.memory_block.layer1.tables"),
                        model.get_parameter("model.layers.0.memory_block.layer1.tables"))

@@ -318,11 +318,11 @@ def test_save_load_round_trip_reports_nothing_missing(model_class, tmp_path, inp
                                    rtol=0, atol=0)
 
 
-def test_missing_weights_are_initialised_by_init_weights_and_reported(tmp_path):
-    """test_can_init_all_missing_weights: a checkpoint without the embeddings, a LayerNorm and a Memory Layer's bias
-    loads with each of them initialised per `_init_weights` (normal(0, initializer_range), ones / zeros, zeros),
-    listed in missing_keys; an unknown tensor is listed in unexpected_keys; the other tensors are loaded as saved."""
-    model = tester.create_model(hidden_size=128, vocab_size=256, initializer_range=0.3)  # enough values for the std
+def test_missing_weights_are_refused_and_named(tmp_path):
+    """transformers' test_can_init_all_missing_weights loads a checkpoint with tensors removed and expects them
+    initialised; MemoryFormer refuses such a checkpoint instead (transformers would only log a warning), naming the
+    missing and the unknown tensors."""
+    model = tester.create_model(hidden_size=128, vocab_size=256, initializer_range=0.3)
     model.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     state = load_file(path)
@@ -335,35 +335,42 @@ def test_missing_weights_are_initialised_by_init_weights_and_reported(tmp_path):
     assert removed <= set(state)
     for key in removed:
         del state[key]
-    for key in list(state):  # make the saved values differ from any initialisation
-        if key.endswith("bias") or "norm" in key:
-            state[key] = state[key] + 0.5
     state["model.extra.weight"] = torch.zeros(3)
     save_file(state, path, metadata={"format": "pt"})
-    loaded, info = MemoryFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert set(info["missing_keys"]) == removed
-    assert set(info["unexpected_keys"]) == {"model.extra.weight"}
-    embeddings = loaded.get_parameter("model.embed_tokens.weight")
-    assert abs(embeddings.std().item() - 0.3) < 0.01 and abs(embeddings.mean().item()) < 0.01
-    assert not torch.equal(embeddings, model.get_parameter("model.embed_tokens.weight"))
-    assert torch.all(loaded.get_parameter("model.layers.1.input_layernorm.weight") == 1)
-    assert torch.all(loaded.get_parameter("model.layers.1.input_layernorm.bias") == 0)
-    assert torch.all(loaded.get_parameter("model.layers.0.attention.query_key_value.bias") == 0)
-    for name, parameter in loaded.named_parameters():
-        if name not in removed:
-            assert torch.equal(parameter, state[name]), name
+    with pytest.raises(ValueError, match="4 missing .* and 1 it has no place for") as error:
+        MemoryFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert all(key in str(error.value) for key in [*removed, "model.extra.weight"])
 
 
-def test_causal_lm_from_a_base_model_folder_initialises_the_lm_head(tmp_path, inputs):
-    base = tester.create_model(MemoryFormerModel, hidden_size=128, vocab_size=256, initializer_range=0.3)
-    base.save_pretrained(tmp_path)
-    lm, info = MemoryFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    lm.eval()
-    assert set(info["missing_keys"]) == {"lm_head.weight"} and not info["unexpected_keys"]
-    head = lm.lm_head.weight
-    assert abs(head.std().item() - 0.3) < 0.01
+def test_init_weights_initialises_every_kind_of_parameter():
+    """What a model built on the meta device (as from_pretrained builds it) gets from `_init_weights`: embeddings
+    normal(0, initializer_range), norms ones / zeros, Memory Layer tables normal(0, table_init_std) and zero biases."""
+    model = tester.create_model(hidden_size=128, vocab_size=256, initializer_range=0.3, table_init_std=0.2)
     with torch.no_grad():
-        torch.testing.assert_close(lm.model(**inputs).last_hidden_state, base(**inputs).last_hidden_state,
+        for parameter in model.parameters():
+            parameter.fill_(7.0)
+    model.apply(model._init_weights)
+    embeddings = model.get_parameter("model.embed_tokens.weight")
+    assert abs(embeddings.std().item() - 0.3) < 0.01 and abs(embeddings.mean().item()) < 0.01
+    assert torch.all(model.get_parameter("model.layers.1.input_layernorm.weight") == 1)
+    assert torch.all(model.get_parameter("model.layers.1.input_layernorm.bias") == 0)
+    assert torch.all(model.get_parameter("model.layers.0.attention.query_key_value.bias") == 0)
+    tables = model.get_parameter("model.layers.0.memory_block.layer2.tables")
+    assert abs(tables.std().item() - 0.2) < 0.01 and abs(tables.mean().item()) < 0.01
+
+
+def test_causal_lm_from_a_base_model_folder_is_refused_and_the_reverse_loads(tmp_path, inputs):
+    """A head-less checkpoint lacks the LM head the causal LM needs (transformers would draw it at random); the base
+    model loads from a causal-LM folder, dropping only its head."""
+    base = tester.create_model(MemoryFormerModel, hidden_size=128, vocab_size=256, initializer_range=0.3)
+    base.save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="1 missing .lm_head.weight."):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path / "base")
+    lm = tester.create_model(hidden_size=128, vocab_size=256, initializer_range=0.3)
+    lm.save_pretrained(tmp_path / "lm")
+    loaded = MemoryFormerModel.from_pretrained(tmp_path / "lm").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).last_hidden_state, lm.model(**inputs).last_hidden_state,
                                    rtol=0, atol=0)
 
 

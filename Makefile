@@ -4,8 +4,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memoryformer-installed
 TORCH_VERSION := 2.13.0
+# transformers: this venv's release (the one developed and benchmarked with), and the oldest release the model supports
+# (pyproject.toml's range starts there). `make test` also runs the version tests under the floor and under the newest
+# release, each in a venv of its own.
+TRANSFORMERS_DEFAULT := 5.23.0
+TRANSFORMERS_FLOOR := 5.10.1
+FLOOR_VENV := .venv-transformers-floor
+NEWEST_VENV := .venv-transformers-newest
+# The model, generation, remote-code, pipeline and Hub tests.
+VERSION_TESTS := tests/model tests/tools/test_hub.py
 
-.PHONY: setup demo test bench flops clean
+.PHONY: setup demo test test-versions bench flops clean
 
 setup: $(STAMP)
 
@@ -22,7 +31,7 @@ $(STAMP): pyproject.toml
 	@echo "[3/4] torch $(TORCH_VERSION) (CPU)"
 	@$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	@echo "[4/4] memoryformer-hf (editable) with its dev extras"
-	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev]" torch==$(TORCH_VERSION)
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev]" transformers==$(TRANSFORMERS_DEFAULT) torch==$(TORCH_VERSION)
 	@touch $(STAMP)
 	@echo "ready: $(VENV)/bin/memoryformer --help"
 
@@ -33,13 +42,31 @@ demo: $(STAMP)
 flops: $(STAMP)
 	$(VENV)/bin/memoryformer flops
 
+$(FLOOR_VENV)/.memoryformer-installed: pyproject.toml scripts/version_venv.sh
+	@scripts/version_venv.sh $(FLOOR_VENV) $(PYTHON) $(TORCH_VERSION) "transformers==$(TRANSFORMERS_FLOOR)"
+
+$(NEWEST_VENV)/.memoryformer-installed: pyproject.toml scripts/version_venv.sh
+	@scripts/version_venv.sh $(NEWEST_VENV) $(PYTHON) $(TORCH_VERSION) "transformers>=$(TRANSFORMERS_FLOOR),<6"
+
 # pytest exits 5 when it collects nothing: that is a failure here, not a pass. MEMORYFORMER_REQUIRE_FUSED=1: a fused
-# CPU kernel that cannot be built fails the run instead of skipping its tests.
-test: $(STAMP)
-	MEMORYFORMER_REQUIRE_FUSED=1 $(PY) -m pytest -q tests
+# CPU kernel that cannot be built fails the run instead of skipping its tests. MEMORYFORMER_OTHER_PYTHONS: the
+# interpreters under which a folder saved by the package is loaded through remote code
+# (tests/model/test_transformers_versions.py).
+test: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed
+	MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_OTHER_PYTHONS=$(abspath $(FLOOR_VENV)/bin/python):$(abspath $(NEWEST_VENV)/bin/python) \
+		$(PY) -m pytest -q tests
+	@$(MAKE) --no-print-directory test-versions
+
+# The version tests alone, under the floor and the newest transformers release (part of `make test`).
+test-versions: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed
+	@for venv in $(FLOOR_VENV) $(NEWEST_VENV); do \
+		echo "[versions] tests under transformers $$($$venv/bin/python -c 'import transformers as t; print(t.__version__)') ($$venv)"; \
+		MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_OTHER_PYTHONS=$(abspath $(PY)) $$venv/bin/python -m pytest -q $(VERSION_TESTS) \
+			|| exit 1; \
+	done
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) build *.egg-info

@@ -13,15 +13,13 @@ import contextlib
 import json
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 
 import torch
 
-from ..training import checkpoints
+from ..training import checkpoints, outputs
 from ..training.data import load_tokenizer, refused_checkpoint_message, text_blocks
 from .distill import TrainingBudget, train_student
 from ..evaluation.perplexity import blocks_perplexity
@@ -273,21 +271,12 @@ class _Stopwatch:
 
 @contextlib.contextmanager
 def staged_folder(out: str, overwrite: bool = False):
-    """Yield a temporary sibling folder of `out` to write into; on success rename it to `out` (replacing an existing
-    folder only when `overwrite`), on any failure delete it, so `out` is never half-written."""
+    """Yield a temporary sibling folder of `out` to write into; when complete it replaces `out` (an existing folder
+    only when `overwrite`, and kept until the new one is in place); on any failure it is deleted and `out` is left as
+    it was (`training.outputs.staged_folder`)."""
     check_output_folder(out, overwrite)
-    out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".incomplete", dir=parent)
-    try:
+    with outputs.staged_folder(out) as staging:
         yield staging
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _write_output(student, tokenizer, report: dict, settings: ConvertSettings) -> None:

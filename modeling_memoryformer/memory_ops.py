@@ -714,8 +714,13 @@ def _compiler_identity(compiler: str) -> str:
 
 
 def _extension_name(prefix: str, source: str, flags: list[str]) -> str:
+    """A name per source, flags, machine, compiler and torch installation: two venvs with the same torch version
+    have their own build folders (each build.ninja names its venv's torch headers, so a shared folder would be
+    rebuilt every time the other venv used it)."""
+    torch_installation = os.path.realpath(os.path.dirname(torch.__file__))
     key = "\0".join(
-        [source, torch.__version__, platform.machine(), _cpu_model(), _compiler_identity(_compiler()), *flags]
+        [source, torch.__version__, torch_installation, platform.machine(), _cpu_model(),
+         _compiler_identity(_compiler()), *flags]
     )
     return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 

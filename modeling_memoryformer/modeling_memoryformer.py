@@ -521,6 +521,10 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.post_memory_dropout(block_output)
 
 
+class CheckpointMismatchError(ValueError):
+    """`from_pretrained` found a checkpoint that does not hold exactly the tensors the model needs."""
+
+
 def check_loaded_exactly(model: nn.Module, info: dict, source) -> None:
     """Raise if `from_pretrained` left a tensor of `model` unloaded or found tensors the model has no place for (but
     the LM head of a causal-LM checkpoint loaded into the head-less `MemoryFormerModel`)."""
@@ -545,7 +549,7 @@ def check_loaded_exactly(model: nn.Module, info: dict, source) -> None:
                 "the model from its config and call model.load_state_dict(tensors, strict=False) yourself.")
     parts = [f"{len(missing)} missing ({names(missing)})" if missing else "",
              f"{len(unexpected)} it has no place for ({names(unexpected)})" if unexpected else ""]
-    raise ValueError(
+    raise CheckpointMismatchError(
         f"The checkpoint at {source} does not match this {type(model).__name__}: tensors "
         f"{' and '.join(p for p in parts if p)}. {hint}"
     )
@@ -957,6 +961,7 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
 
 
 __all__ = [
+    "CheckpointMismatchError",
     "MemoryLayer",
     "MemoryBlock",
     "MemoryFormerPreTrainedModel",

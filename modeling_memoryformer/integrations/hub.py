@@ -35,6 +35,7 @@ from ..evaluation.flops import (
     table_memory,
 )
 from ..modeling_memoryformer import MemoryFormerForCausalLM, MemoryFormerModel
+from ..training.outputs import write_errors_named
 from .settings import DEFAULT_COMMIT_MESSAGE, PushSettings
 
 
@@ -311,9 +312,10 @@ def push_to_hub(
     model_card(model, repo_id=repo_id, **card_kwargs)  # raises on bad input before anything is created
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="memoryformer-push-") as folder:
-        model.save_pretrained(folder)  # model.safetensors, config.json with auto_map, generation_config.json, code
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+        with write_errors_named(folder, "Nothing was uploaded."):  # a full temporary disk: one line, not a traceback
+            model.save_pretrained(folder)  # model.safetensors, config.json with auto_map, generation_config.json, code
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         write_model_card(model, folder, repo_id, **card_kwargs)
         # create_commit sends all files in one commit. upload_folder would not guarantee it: with hf_xet installed,

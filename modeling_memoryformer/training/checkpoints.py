@@ -48,10 +48,14 @@ def load_pretrained_strict(model_class, path, flag: str = "--model", **kwargs):
     exactly (tied weights, e.g. lm_head with tie_word_embeddings, are not reported missing by transformers)."""
     from transformers.utils import logging
 
+    from ..modeling_memoryformer import CheckpointMismatchError
+
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # no LOAD REPORT warning: a mismatch is the error below, naming the tensors
     try:
         model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    except CheckpointMismatchError as error:  # a MemoryFormer's own refusal, which names the tensors
+        raise LoadingMismatchError(f"{flag} {os.fspath(path)!r}: {error}") from None
     finally:
         logging.set_verbosity(verbosity)
     check_loading_info(info, path, flag)

@@ -147,10 +147,14 @@ class MemoryFormerTrainer(Trainer):
 
         from .checkpoints import remove_complete_marker, write_complete_marker
 
+        from .outputs import write_errors_named
+
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(folder):
             remove_complete_marker(folder)
-        super()._save_checkpoint(model, trial)
+        kept = "It is left without its completion marker (--resume skips it); the earlier checkpoints are kept."
+        with write_errors_named(folder, kept):
+            super()._save_checkpoint(model, trial)
         if self.args.should_save and os.path.isdir(folder):
             write_complete_marker(folder, self.state.global_step)
 
@@ -435,10 +439,14 @@ def train(model: nn.Module, data, settings: TrainingSettings, callbacks=()) -> T
     final = [e for e in last if "eval_loss" in e and e.get("step") == trainer.state.global_step]
     metrics = final[-1] if final else trainer.evaluate()  # the last step may have evaluated already
     if settings.save_final_model:
+        from .outputs import staged_files
         from .sharding import full_state_dict
 
-        with full_state_dict(trainer):  # a sharded run still leaves a model that from_pretrained loads
-            trainer.save_model(settings.output_dir)
+        # Written beside the earlier run's final model (--overwrite) and swapped in once complete: a failed write
+        # (a full disk) leaves that model as it was. A sharded run still leaves a model that from_pretrained loads.
+        with full_state_dict(trainer), staged_files(settings.output_dir,
+                                                     main_process=trainer.is_world_process_zero()) as staging:
+            trainer.save_model(staging)
         trainer.save_state()
     step_tokens = tokens_per_step(trainer.args, data.block_size)
     return TrainingResult(

@@ -42,7 +42,7 @@ AUTO_MAP = {
 
 # Runs in a fresh interpreter whose cwd is a temporary folder. A meta-path finder makes the package unimportable, so
 # everything must come from the saved folder's own copy of the code.
-CHILD = textwrap.dedent(
+WITHOUT_THE_PACKAGE = textwrap.dedent(
     '''
     import json
     import sys
@@ -62,7 +62,10 @@ CHILD = textwrap.dedent(
         pass
     else:
         raise SystemExit("modeling_memoryformer is importable: the remote-code test would prove nothing")
-
+    '''
+)
+CHILD = WITHOUT_THE_PACKAGE + textwrap.dedent(
+    '''
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -129,14 +132,16 @@ def test_save_pretrained_copies_the_model_code(saved_folder):
                 assert node.level == 1 and node.module in siblings, where
 
 
-def load_without_the_package(folder: Path, input_ids: torch.Tensor, tmp_path: Path) -> tuple[dict, dict]:
-    """Load `folder` with trust_remote_code=True in a fresh process that cannot import the package; its report and
-    outputs (logits, hidden states, greedy generation) on `input_ids`."""
+def load_without_the_package(folder: Path, input_ids, tmp_path: Path, python: str = sys.executable,
+                             child: str = CHILD) -> tuple[dict, dict]:
+    """Load `folder` with trust_remote_code=True in a fresh process of `python` that cannot import the package; the
+    report and the outputs of the `child` script (by default: logits, hidden states, greedy generation) on
+    `input_ids`."""
     inputs_path, outputs_path = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
     torch.save(input_ids, inputs_path)
     child_dir = tmp_path / "child_cwd"
     child_dir.mkdir()
-    (child_dir / "child.py").write_text(CHILD)
+    (child_dir / "child.py").write_text(child)
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_TOKEN")}
     env.update(
@@ -147,7 +152,7 @@ def load_without_the_package(folder: Path, input_ids: torch.Tensor, tmp_path: Pa
         PYTHONDONTWRITEBYTECODE="1",
     )
     result = subprocess.run(
-        [sys.executable, "child.py", str(folder), str(inputs_path), str(outputs_path)],
+        [python, "child.py", str(folder), str(inputs_path), str(outputs_path)],
         cwd=child_dir, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

@@ -86,6 +86,23 @@ def test_make_setup_installs_torch_first_and_pinned_with_a_line_per_stage(tmp_pa
     assert all("--quiet" in line for line in installs)
 
 
+def test_the_declared_transformers_range_is_the_tested_one():
+    """pyproject.toml's floor is the release `make test` runs the version tests under (the Makefile's
+    TRANSFORMERS_FLOOR), with no ceiling below the next major; the default release of `make setup` and 5.24.0 (whose
+    cache rename the model handles) are inside it; the README names the floor and the default."""
+    from packaging.specifiers import SpecifierSet
+
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    floor = re.search(r"^TRANSFORMERS_FLOOR := (\S+)$", makefile, re.M).group(1)
+    default = re.search(r"^TRANSFORMERS_DEFAULT := (\S+)$", makefile, re.M).group(1)
+    (requirement,) = [r for r in PYPROJECT["project"]["dependencies"] if re.match(r"transformers\b", r)]
+    declared = SpecifierSet(requirement.removeprefix("transformers"))
+    assert declared == SpecifierSet(f">={floor},<6")
+    assert default in declared and "5.24.0" in declared and "5.99.0" in declared
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"transformers >= {floor}" in readme and f"`make setup` installs {default}" in readme
+
+
 def test_the_version_has_one_source():
     """pyproject.toml reads the version from `modeling_memoryformer.__version__`; the installed distribution (the
     editable install of `make setup`) reports the same (the wheel's metadata is checked in the test above)."""

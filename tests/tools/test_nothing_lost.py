@@ -7,9 +7,14 @@ Everything is tiny and local (tmp_path): no network, no ../shared."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ from modeling_memoryformer.training.checkpoints import (
     latest_complete_checkpoint,
     load_pretrained_strict,
 )
+from modeling_memoryformer.training import outputs
 from modeling_memoryformer.training.trainer import TrainingSettings, train
 
 
@@ -268,7 +274,8 @@ def test_strict_loading_accepts_tied_and_untied_models(tmp_path):
 def test_strict_loading_names_missing_and_unexpected_tensors(saved_model):
     dropped = "model.layers.0.attention.query_key_value.tables"
     damage_weights(saved_model, drop=dropped, add="model.stray")
-    with pytest.raises(LoadingMismatchError, match=rf"missing: {dropped}.*unexpected: model.stray"):
+    with pytest.raises(LoadingMismatchError, match=rf"--model .*1 missing \({dropped}\) and 1 it has no place for "
+                                                   r"\(model.stray\)"):
         load_pretrained_strict(AutoModelForCausalLM, saved_model)
 
 
@@ -295,3 +302,121 @@ def test_convert_refuses_a_source_with_a_missing_tensor(tmp_path, capsys):
     line = run(capsys, "convert", "--from", source, "--out", tmp_path / "out", "--hash-bits", "4")
     assert dropped in line and "missing" in line
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A failed write or replace keeps the earlier output (a real fault: the command runs in a child process whose file
+# size limit, RLIMIT_FSIZE, makes a write past it fail with EFBIG "File too large", as a full disk fails it)
+
+
+def run_limited(args: list, limit_bytes: int | None, cwd) -> subprocess.CompletedProcess:
+    def limit():
+        if limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))  # Python ignores SIGXFSZ itself
+
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "modeling_memoryformer.cli", *map(str, args)], cwd=cwd, env=env,
+                          preexec_fn=limit, capture_output=True, text=True, timeout=600, check=False)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(parent) -> list[str]:
+    return sorted(p.name for p in parent.rglob("*") if p.name.endswith((".incomplete", ".old")))
+
+
+def test_convert_overwrite_on_a_full_disk_keeps_the_earlier_output_and_says_so_in_one_line(tmp_path):
+    source = tmp_path / "pythia"
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64)).save_pretrained(source)
+    out = tmp_path / "converted"
+    convert = ["convert", "--from", source, "--out", out, "--hash-bits", "4", "--overwrite", "--quiet"]
+    first = run_limited(convert, None, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    earlier = snapshot(out)
+    weights = len(earlier["model.safetensors"])
+    line = one_error_line(run_limited([*convert, "--hash-bits", "2"], weights // 2, tmp_path))
+    assert str(out) in line and "File too large" in line and "left as it was" in line
+    assert snapshot(out) == earlier
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fails_at", ["checkpoint", "final model"])
+def test_train_overwrite_on_a_full_disk_keeps_the_earlier_model_and_says_so_in_one_line(tmp_path, fails_at):
+    out = tmp_path / "run"
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}." for i in range(200)))
+    train_args = ["train", "--out", out, "--data", text, "--vocab-size", "300", "--hidden-size", "32", "--layers", "1",
+                  "--heads", "2", "--hash-bits", "4", "--expand-bits", "1", "--block-size", "32", "--batch-size", "4",
+                  "--max-steps", "2", "--overwrite", "--no-progress"]
+    save_steps = ["--save-steps", "2" if fails_at == "checkpoint" else "1000"]
+    first = run_limited([*train_args, *save_steps], None, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    earlier = {name: (out / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    limit = len(earlier["model.safetensors"]) // 2  # the corpus and tokenizer files are far smaller
+    line = one_error_line(run_limited([*train_args, *save_steps, "--seed", "7"], limit, tmp_path))
+    assert "File too large" in line
+    assert (str(out / "checkpoint-2") if fails_at == "checkpoint" else str(out)) in line
+    assert {name: (out / name).read_bytes() for name in earlier} == earlier  # the earlier final model is intact
+    assert AutoModelForCausalLM.from_pretrained(out).config.hidden_size == 32
+    assert leftovers(out) == []
+
+
+def test_a_failed_final_rename_keeps_the_earlier_folder(tmp_path, monkeypatch):
+    """The case of the issue: the old folder used to be deleted before the rename, and the new one on its failure."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"earlier")
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if str(src).endswith(".incomplete"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(outputs.os, "replace", failing_replace)
+    with pytest.raises(outputs.OutputWriteError, match=f"{out}.*No space left on device.*left as it was"):
+        with outputs.staged_folder(str(out)) as staging:
+            (Path(staging) / "model.safetensors").write_bytes(b"new")
+    assert (out / "model.safetensors").read_bytes() == b"earlier"
+    assert leftovers(tmp_path) == []
+
+
+def test_a_failed_file_swap_puts_every_earlier_file_back(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "checkpoint-2.txt"):
+        (folder / name).write_text(f"earlier {name}")
+    real_replace, calls = os.replace, []
+
+    def replace_failing_on_the_second_new_file(src, dst):
+        if ".incomplete" in str(src):
+            calls.append(src)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(outputs.os, "replace", replace_failing_on_the_second_new_file)
+    with pytest.raises(outputs.OutputWriteError, match="Input/output error.*left as they were"):
+        with outputs.staged_files(str(folder)) as staging:
+            for name in ("config.json", "model.safetensors", "tokenizer.json"):
+                (Path(staging) / name).write_text(f"new {name}")
+    assert snapshot(folder) == {name: f"earlier {name}".encode()
+                                for name in ("checkpoint-2.txt", "config.json", "model.safetensors")}
+    assert leftovers(tmp_path) == []
+    monkeypatch.setattr(outputs.os, "replace", real_replace)
+    with outputs.staged_files(str(folder)) as staging:  # and when nothing fails, the new files replace the old
+        (Path(staging) / "config.json").write_text("new")
+    assert (folder / "config.json").read_text() == "new" and (folder / "checkpoint-2.txt").exists()
+    assert leftovers(tmp_path) == []

@@ -745,6 +745,9 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
     # Input checks that read tensor values: skipped while torch.compile traces (they would break the graph).
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         vocab = getattr(self.embed_tokens, "num_embeddings", self.config.vocab_size)
@@ -772,9 +775,6 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
                 + f": it needs shape ({batch}, {past + seq_len}), one entry per token (1 = attend, 0 = padding), the "
                 "cached tokens first. Pass the mask the tokenizer returned with these ids."
             )
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
 
     @merge_with_config_defaults
     @capture_outputs

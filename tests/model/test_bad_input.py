@@ -70,3 +70,69 @@ def test_an_input_without_tokens_is_a_clear_error(kernel, shape):
     with pytest.raises(ValueError, match=r"inputs_embeds has shape \(\d, 0, 64\)"):
         model(inputs_embeds=torch.zeros(*shape, 64))
     assert model(torch.ones(shape[0], 1, dtype=torch.long)).logits.shape == (shape[0], 1, 128)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error():
+    """Before: torch's `IndexError: index out of range in self` from the embedding."""
+    from conftest import tiny_model
+
+    model = tiny_model()  # vocabulary of 128
+    for bad, shown in ((128, 128), (-1, -1), (10_000, 10_000)):
+        ids = torch.tensor([[5, 17, bad, 42]])
+        with pytest.raises(ValueError, match=rf"input_ids holds token id {shown}, outside the vocabulary \[0, 128\)"):
+            model(ids)
+    assert model(torch.tensor([[0, 127]])).logits.shape == (1, 2, 128)  # both ends of the vocabulary are fine
+
+
+def test_an_attention_mask_of_another_length_is_a_clear_error():
+    """Before: accepted, and it changed the logits."""
+    from transformers import DynamicCache
+
+    from conftest import tiny_model
+
+    model = tiny_model()
+    ids = torch.tensor([[5, 17, 90, 42], [6, 8, 9, 10]])
+    for mask in (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 5, dtype=torch.long),
+                 torch.ones(1, 4, dtype=torch.long)):
+        with pytest.raises(ValueError, match=rf"attention_mask has shape \({mask.shape[0]}, {mask.shape[1]}\) but "
+                                             r"the input is 2 x 4 tokens: it needs shape \(2, 4\)"):
+            model(ids, attention_mask=mask)
+    # With a cache, the mask covers the cached tokens too.
+    cache = DynamicCache(config=model.config)
+    model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long), past_key_values=cache, use_cache=True)
+    step = torch.tensor([[1], [2]])
+    with pytest.raises(ValueError, match=r"after 4 cached ones: it needs shape \(2, 5\)"):
+        model(step, attention_mask=torch.ones(2, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    model(step, attention_mask=torch.ones(2, 5, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+def test_a_rotary_width_of_zero_is_refused():
+    """partial_rotary_factor=0.01 at head_dim 16 rotated int(0.16) = 0 dims: a model without position information."""
+    from modeling_memoryformer import MemoryFormerConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    shape = dict(hidden_size=64, num_attention_heads=4, hash_bits=4)
+    with pytest.raises(ValueError, match=r"rotates int\(16 \* 0.01\) = 0 of the 16 dims.*at least 1 / head_dim = 0.0625"):
+        MemoryFormerConfig(**shape, rope_parameters={**rope, "partial_rotary_factor": 0.01})
+    config = MemoryFormerConfig(**shape, rope_parameters={**rope, "partial_rotary_factor": 0.0625})  # 1 dim: fine
+    assert config.rope_parameters["partial_rotary_factor"] == 0.0625
+
+
+def test_another_architectures_folder_is_refused_by_name(tmp_path):
+    """A GPT-NeoX folder loaded as a MemoryFormer used to load with 16 tensors at random (same width) or fail on
+    intermediate_size divisibility (another width)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig
+
+    from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
+
+    for width, intermediate in ((64, 96), (48, 128)):
+        folder = tmp_path / f"neox{width}"
+        GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=width, num_hidden_layers=1,
+                                         num_attention_heads=4, intermediate_size=intermediate)).save_pretrained(folder)
+        for load in (MemoryFormerForCausalLM.from_pretrained, MemoryFormerConfig.from_pretrained):
+            with pytest.raises(ValueError, match=rf"{folder} holds a 'gpt_neox' model .* not a MemoryFormer.*"
+                                                 rf"memoryformer convert --from {folder}"):
+                load(folder)
+    LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="holds a 'llama' model.*class of its architecture"):
+        MemoryFormerConfig.from_pretrained(tmp_path / "llama")

@@ -534,3 +534,30 @@ def test_bad_combinations_are_rejected_with_the_fix():
         MemoryLayer(8, 6, hash_bits=4, table_dtype="int8")
     with pytest.raises(ValueError, match="LM head"):
         MemoryFormerModel(tiny_config()).quantize_lm_head("int8")
+
+
+def test_an_int8_checkpoint_without_its_scales_is_refused(tmp_path):
+    """Before: it loaded with a log warning, and its logits were NaN."""
+    from safetensors.torch import save_file
+
+    tiny_model().quantize_tables("int8").save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = {k: v for k, v in load_file(path).items() if not k.endswith(".tables_scale")}
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"6 missing \(model\.layers\.0\.attention\.query_key_value\.tables_scale"):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("direction", ["int8 config over float tables", "float config over int8 tables"])
+def test_a_config_whose_table_dtype_contradicts_the_weights_is_refused_with_the_fix(tmp_path, direction):
+    """Before: int8 in config.json over float32 tables loaded with random int8 tables (9 tensors missing)."""
+    model = tiny_model()
+    if direction == "float config over int8 tables":
+        model.quantize_tables("int8")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["table_dtype"] = None if config.get("table_dtype") == "int8" else "int8"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fix = "set table_dtype to null in config.json" if config["table_dtype"] == "int8" else "does not say table_dtype"
+    with pytest.raises(ValueError, match=fix):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)

@@ -4,7 +4,10 @@ For every dtype, width d (in = out = d, hash_bits 8, bias on both) and token cou
 - forward: `layer(x)` under torch.inference_mode, x: [N, d];
 - fwd_bwd: `y = layer(x)`, loss = (y * g).sum() with a fixed random g, then torch.autograd.grad for the
   input, the weight (Linear) / tables (MemoryLayer) and the bias (no .grad accumulation, nothing retained).
-bfloat16: both layers hold bf16 parameters and get a bf16 input.
+bfloat16: both layers hold bf16 parameters and get a bf16 input. int8 (forward only; both are inference forms): the
+MemoryLayer's tables stored as int8 (`quantize_tables_("int8")`, a float32 scale and offset per row) against the
+Linear in PyTorch's dynamic int8 form (`torch.ao.quantization.quantize_dynamic`: int8 weight, the input quantised per
+call), both taking a float32 input; the same shapes and starting weights as float32.
 
 The contestants of one (dtype, d, mode, N) cell are timed round-robin (`common.round_robin`); the
 MemoryLayer kernels share one MemoryLayer instance (same tables), switched with `use_kernel`.
@@ -36,7 +39,7 @@ from .common import (
     wait_for_quiet,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}  # int8: the input's dtype
 MODES = ("forward", "fwd_bwd")
 LINEAR = "Linear"
 
@@ -49,7 +52,7 @@ def memory_name(kernel: str) -> str:
 class LayerSpec:
     dims: list[int] = field(default_factory=lambda: [512, 768, 1024])
     tokens: list[int] = field(default_factory=lambda: [1, 16, 256, 2048, 8192])
-    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16", "int8"])
     modes: list[str] = field(default_factory=lambda: list(MODES))
     kernels: list[str] | None = None  # None: every available kernel
     hash_bits: int = 8
@@ -60,6 +63,22 @@ class LayerSpec:
     noisy_retries: int = 2  # re-measure a cell when other processes used > NOISY_CORES cores meanwhile
     noisy_wait_s: float = 10.0
     quiet_wait_s: float = 60.0  # before each cell, wait up to this long for other processes to go quiet
+
+
+def make_layers(dtype_name: str, d: int, hash_bits: int, seed: int) -> tuple[nn.Module, MemoryLayer]:
+    """The dense layer and the Memory Layer of one (dtype, d) cell, from the same seed in every dtype."""
+    torch.manual_seed(seed)
+    dtype = DTYPES[dtype_name]
+    linear = nn.Linear(d, d, bias=True, dtype=dtype)
+    memory = MemoryLayer(d, d, hash_bits, bias=True, dtype=dtype)
+    if dtype_name == "int8":
+        import warnings
+
+        with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated (still PyTorch's int8 Linear)
+            warnings.simplefilter("ignore")
+            linear = torch.ao.quantization.quantize_dynamic(nn.Sequential(linear), {nn.Linear}, dtype=torch.qint8)[0]
+        memory.quantize_tables_("int8")
+    return linear, memory
 
 
 def _kernels(spec: LayerSpec) -> list[str]:
@@ -103,7 +122,8 @@ def _context(kernel: str | None, mode: str):
 def run(spec: LayerSpec, log=print) -> dict:
     kernels = _kernels(spec)
     env = environment()
-    cells = [(dt, d, mode, n) for dt in spec.dtypes for d in spec.dims for mode in spec.modes for n in spec.tokens]
+    cells = [(dt, d, mode, n) for dt in spec.dtypes for d in spec.dims for mode in spec.modes for n in spec.tokens
+             if not (dt == "int8" and mode != "forward")]  # int8 layers do not train
     n_contestants = 1 + len(kernels)
     total = len(cells) * n_contestants * (max(1, spec.warmup) + spec.repeats)
     log(
@@ -122,10 +142,7 @@ def run(spec: LayerSpec, log=print) -> dict:
             dtype = DTYPES[dtype_name]
             if (dtype_name, d) not in layers:
                 layers.clear()  # keep one pair of layers alive at a time
-                torch.manual_seed(spec.seed)
-                linear = nn.Linear(d, d, bias=True, dtype=dtype)
-                memory = MemoryLayer(d, d, spec.hash_bits, bias=True, dtype=dtype)
-                layers[(dtype_name, d)] = (linear, memory)
+                layers[(dtype_name, d)] = make_layers(dtype_name, d, spec.hash_bits, spec.seed)
             linear, memory = layers[(dtype_name, d)]
             gen = torch.Generator().manual_seed(spec.seed + n)
             x = torch.randn(n, d, generator=gen).to(dtype)

@@ -5,7 +5,9 @@ Sections (`--sections`, all by default):
   int8 tables, int8 tables + int8 head; and of its Pythia-70M twin.
 - decode: tokens/s of `model.generate` (model_bench's decode workload: a 16-token prompt, 128 new tokens, greedy, KV
   cache, batch 1, float32 activations), timed round-robin across MF-tiny float32 [fused], int8 tables, int8 tables +
-  int8 head, bf16 tables + bf16 head, and the float32 Pythia-70M twin (random init, same shape as model_bench's).
+  int8 head, bf16 tables + bf16 head, the float32 Pythia-70M twin (random init, same shape as model_bench's), and
+  that twin in PyTorch's dynamic int8 form (`quantize_dynamic`: every linear layer, the LM head included, int8), the
+  like-for-like baseline of int8 MF-tiny.
 - layer: one Memory Layer's forward on 2048 tokens under inference_mode, float32 tables [fused] and [torch] against
   int8 tables: a d 512 -> 512 layer (tau 8, 64 x 256 rows) and MF-tiny's Q/K/V (512 -> 1536) and Memory Block
   layer 2 (640 -> 512, tau 10, 64 x 1024 rows). Then the two CPU passes of int8 tables, each forced
@@ -122,6 +124,19 @@ def bench_bytes(mf, twin) -> dict:
     return {"rows": rows}
 
 
+INT8_TWIN = "Pythia-70M twin (dynamic int8 linears + int8 head)"
+
+
+def dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose every nn.Linear (the LM head too) is PyTorch's dynamic int8 Linear."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated (still PyTorch's int8 Linear)
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear},
+                                                      dtype=torch.qint8).eval()
+
+
 def bench_decode(mf, twin, args) -> dict:
     spec = ModelSpec(prompt_tokens=16, new_tokens=args.new_tokens)
     contestants, keep = [], []
@@ -132,6 +147,10 @@ def bench_decode(mf, twin, args) -> dict:
         contestants.append(Contestant(f"MF-tiny, {label} [fused]", fn, context=_inference("fused")))
     fn, _ = workload_fn(twin.eval(), "decode", spec)
     contestants.append(Contestant("Pythia-70M twin (float32)", fn, context=_inference(None)))
+    int8_twin = dynamic_int8(twin)
+    keep.append(int8_twin)
+    fn, _ = workload_fn(int8_twin, "decode", spec)
+    contestants.append(Contestant(INT8_TWIN, fn, context=_inference(None)))
     rows = _timed(contestants, args, "decode", spec.new_tokens)
     del keep
     gc.collect()
@@ -264,19 +283,22 @@ def markdown(results: dict) -> str:
     if "decode" in results:
         d = results["decode"]
         lines += _measured_on(d)
-        twin = next((r for r in d["rows"] if r["name"].startswith("Pythia") and "per_second" in r), None)
+        twin = next((r for r in d["rows"] if r["name"] == "Pythia-70M twin (float32)" and "per_second" in r), None)
+        twin8 = next((r for r in d["rows"] if r["name"] == INT8_TWIN and "per_second" in r), None)
         base = next((r for r in d["rows"] if r["name"].startswith("MF-tiny, float32") and "per_second" in r), None)
+        refs = (base, twin, twin8)
         lines += [f"Decode ({d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, batch 1):", "",
-                  "| model | tokens/s (median) | vs float32 MF-tiny | vs twin | best sample, tokens/s | best vs float32 "
-                  "MF-tiny | best vs twin | other cores busy |", "|---|---|---|---|---|---|---|---|"]
+                  "| model | tokens/s (median) | vs float32 MF-tiny | vs twin | vs int8 twin | best sample, tokens/s | "
+                  "best vs float32 MF-tiny | best vs twin | best vs int8 twin | other cores busy |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["rows"]:
             if "per_second" not in r:
-                lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+                lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | |")
                 continue
             cells = [f"{r['per_second']:.1f}"]
-            cells += [f"{r['per_second'] / ref['per_second']:.2f}x" if ref else "-" for ref in (base, twin)]
+            cells += [f"{r['per_second'] / ref['per_second']:.2f}x" if ref else "-" for ref in refs]
             cells.append(f"{r['best_per_second']:.1f}")
-            cells += [f"{r['best_per_second'] / ref['best_per_second']:.2f}x" if ref else "-" for ref in (base, twin)]
+            cells += [f"{r['best_per_second'] / ref['best_per_second']:.2f}x" if ref else "-" for ref in refs]
             lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {r['other_cores'] or 0:.2f} |")
         lines.append("")
     if "layer" in results:

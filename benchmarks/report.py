@@ -11,7 +11,7 @@ MODE_TITLES = {
     "forward": "forward (torch.inference_mode)",
     "fwd_bwd": "forward + backward (grads of input, weight/tables, bias)",
 }
-DTYPE_TITLES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPE_TITLES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8 (int8 tables vs dynamic int8 Linear)"}
 WORKLOAD_TITLES = {
     "prefill": "prefill tokens/s",
     "decode": "decode tokens/s",
@@ -174,7 +174,8 @@ def layer_tables(layer: dict) -> dict[tuple[str, str], list[str]]:
                         mem = time_of.get((mode, dtype, d, n, f"MemoryLayer[{k}]"))
                         line += f" {_cell_ms(mem)} | {_ratio(ratio_of.get((mode, dtype, d, n, k)))} |"
                     lines.append(line)
-            tables[(mode, dtype)] = lines
+            if len(lines) > 2:  # (int8 has no forward + backward)
+                tables[(mode, dtype)] = lines
     return tables
 
 
@@ -382,7 +383,7 @@ def _layer_chart(plt, layer: dict | None, mode: str):
     spec = layer["spec"]
     dims = spec["dims"]
     fig, axes = plt.subplots(1, len(dims), figsize=(max(7.5, 4.6 * len(dims)), 4.6), sharey=True, squeeze=False)
-    styles = {"fp32": "-", "bf16": "--"}
+    styles = {"fp32": "-", "bf16": "--", "int8": ":"}
     markers = {"torch": "o", "fused": "s"}
     colors = {"torch": "C0", "fused": "C2"}
     values = [r["ratio"] for r in layer["ratios"] if r["mode"] == mode]

@@ -47,7 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("layer level")
     g.add_argument("--dims", nargs="+", type=int, help="d (in = out) values (default 512 768 1024)")
     g.add_argument("--tokens", nargs="+", type=int, help="token counts N (default 1 16 256 2048 8192)")
-    g.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), help="parameter/input dtypes (default both)")
+    g.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16", "int8"),
+                   help="fp32, bf16 (parameters and input), int8 (int8 tables vs PyTorch's dynamic int8 Linear, forward "
+                        "only; float32 input); default all three")
     g.add_argument("--modes", nargs="+", choices=("forward", "fwd_bwd"), help="default both")
     g.add_argument("--hash-bits", type=int, default=8)
     g.add_argument("--min-sample-ms", type=float, help="minimum duration of one timed sample (default 50; quick 5)")

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import TransformersKwargs
 
 
-# The names a KV cache is passed and returned under, the running release's first.
+# The field the running release's outputs hold the KV cache in, and both names a cache goes by (from 5.24 / up to 5.23).
 CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 CACHE_NAMES = ("cache", "past_key_values")
 _MASK_CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"

@@ -8,6 +8,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .memory_ops import LINEAR_CE_CHUNK_TOKENS, check_hash_parameters
+from .transformers_compat import CACHE_NAMES
 
 
 PRESETS = ("tiny", "small", "base")
@@ -83,7 +84,7 @@ class MemoryFormerConfig(PreTrainedConfig):
     """
 
     model_type = "memoryformer"
-    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the KV cache's name up to / from transformers 5.24
+    keys_to_ignore_at_inference = list(CACHE_NAMES)  # the KV cache's names from / up to transformers 5.24
 
     def __init__(
         self,

@@ -52,12 +52,11 @@ def staged_folder(out: str):
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".incomplete", dir=parent)
     kept = f"{out} was left as it was." if os.path.exists(out) else f"Nothing was written to {out}."
     try:
-        yield staging
-    except BaseException as error:
+        with write_errors_named(out, kept):
+            yield staging
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if (failure := write_failure(error, out, kept)) is None:
-            raise
-        raise failure from error
+        raise
     replace_folder(staging, out)
 
 
@@ -96,12 +95,11 @@ def staged_files(folder: str, name: str = ".final-model", main_process: bool = T
     shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
     os.makedirs(staging)
     try:
-        yield staging
-    except BaseException as error:
+        with write_errors_named(folder, f"The files in {folder} were left as they were."):
+            yield staging
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if (failure := write_failure(error, folder, f"The files in {folder} were left as they were.")) is None:
-            raise
-        raise failure from error
+        raise
     replace_files(staging, folder)
 
 
@@ -135,8 +133,8 @@ def replace_files(new: str, folder: str) -> None:
 
 @contextlib.contextmanager
 def write_errors_named(path: str, kept: str):
-    """Turn a failed write inside the block into an OutputWriteError naming `path` (for outputs written in place,
-    such as a Trainer checkpoint, whose own protocol keeps the earlier ones)."""
+    """Turn a failed write inside the block into an OutputWriteError naming `path` (the staged writes above, and
+    outputs written in place, such as a Trainer checkpoint, whose own protocol keeps the earlier ones)."""
     try:
         yield
     except BaseException as error:

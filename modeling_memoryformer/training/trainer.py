@@ -146,7 +146,6 @@ class MemoryFormerTrainer(Trainer):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         from .checkpoints import remove_complete_marker, write_complete_marker
-
         from .outputs import write_errors_named
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")

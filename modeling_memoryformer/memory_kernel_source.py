@@ -40,11 +40,13 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 //
 // Design: the row gather is bounded by cache/TLB misses on tables far larger than L2, not by FLOPs.
 // Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the
-// rows 16 lookups ahead. Beyond that, for float32 tables with >= 2 lookups per row, the packed pass: per 32-column
-// block and group of tables, the group's rows are first copied into a contiguous buffer of a quarter of L2 (a pure
-// stream from L3 / DRAM), then every token of the chunk adds its lookups of the group from it, several tokens at a
-// time in registers (the table is read once per chunk of tokens instead of once per lookup). For other dtypes and
-// tables beyond 3/2 of the LLC with >= 2 lookups per row, the bucketed pass: lookups are grouped by row (a counting
+// rows 16 lookups ahead. Beyond that, for float32, bfloat16 and float16 tables with >= 2 lookups per row, the packed
+// pass: per 32-column block and group of tables, the group's rows are first copied into a contiguous buffer of a
+// quarter of L2 (a pure stream from L3 / DRAM; 16-bit rows stay 16-bit there, so a group holds twice the rows), then
+// every token of the chunk adds its lookups of the group from it, several tokens at a time in registers, widening
+// 16-bit values to float32 as they are loaded (the table is read once per chunk of tokens instead of once per
+// lookup). For widths that are not whole 32-column blocks and tables beyond 3/2 of the LLC with >= 2 lookups per row,
+// the bucketed pass: lookups are grouped by row (a counting
 // sort per table), the output is built in 64-column blocks of a chunk of tokens held in a compact buffer of half of
 // L2, and the table is streamed once, each hit row loaded once and applied to all its tokens. Otherwise PyTorch's
 // embedding_bag (FBGEMM's JIT kernel), called below autograd. Packed and bucketed need as many column blocks as
@@ -308,6 +310,17 @@ template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
   else at::parallel_for(0, N, 1, body);
 }
 
+// kLanes values of a float32, bfloat16 or float16 span as one float32 vector (bfloat16: a shift per value).
+template <typename T> inline fVec load_floats(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return fVec::loadu(p);
+  } else {
+    fVec v;
+    at::vec::load_to_float<T>(p, v);
+    return v;
+  }
+}
+
 template <typename T> inline void prefetch_span(const T* p, int64_t w) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < int64_t(w * sizeof(T)); b += 64) __builtin_prefetch(c + b);
@@ -348,16 +361,21 @@ void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64
     std::vector<A> z(D), prod(K), norm(K);
     std::vector<int32_t> code(K);
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t i = 0; i < D; ++i) z[i] = to_acc(x[n * D + i]);
+      // Transposed: zt[i * K + k] = value i of chunk k, so that the passes below read contiguous vectors of K values
+      // (reading z[k * tau + i] per lane instead: 1.03 instead of 0.69 ms for 2048 x 512 values, 2 threads, AVX2 Zen 3).
+      A* zt = z.data();
+      const X* xn = x + n * D;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t i = 0; i < tau; ++i) zt[i * K + k] = to_acc(xn[k * tau + i]);
       A* pr = prod.data();
       A* nm = norm.data();
       int32_t* cd = code.data();
-      const A* zz = z.data();
       for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); cd[k] = 0; }
       for (int64_t i = 0; i < tau; ++i) {
+        const A* zi = zt + i * K;
 #pragma omp simd
         for (int64_t k = 0; k < K; ++k) {
-          const A v = zz[k * tau + i];
+          const A v = zi[k];
           const A a = std::abs(v);
           pr[k] *= A(1) + exp_nonpos(-c * a);
           nm[k] += a;
@@ -568,6 +586,11 @@ void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typ
     const T* t = tables + r * D + c0;
     if constexpr (std::is_same<T, float>::value && W == kBlock) {
       scatter_hits_f32(t, tok, sc, e0, e1, buf);
+    } else if constexpr (std::is_same<A, float>::value && W == kBlock) {   // bfloat16 / float16: the row in float32
+      alignas(64) float tv[kBlock];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < kBlockVecs; ++v) load_floats(t + v * kLanes).store(tv + v * kLanes);
+      scatter_hits_f32(tv, tok, sc, e0, e1, buf);
     } else {
       A tv[W ? W : kBlock];
       for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
@@ -624,8 +647,11 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
       if (kScores) tv[j] = to_acc(tables[r * D + c0 + j]);
       if (kTables) acc[j] = first ? A(0) : to_acc(g[j]);
     }
-    if constexpr (std::is_same<T, float>::value && W == kBlock) {
-      backward_hits_f32<kTables, kScores>(tables + r * D + c0, tok, sc, e0, e1, buf, acc, part);
+    if constexpr (std::is_same<A, float>::value && W == kBlock) {
+      const float* row;   // float32 tables: the row itself; bfloat16 / float16: its float32 copy in tv
+      if constexpr (std::is_same<T, float>::value) row = tables + r * D + c0;
+      else row = tv;
+      backward_hits_f32<kTables, kScores>(row, tok, sc, e0, e1, buf, acc, part);
     } else {
       for (int64_t e = e0; e < e1; ++e) {
         const A* y = buf + int64_t(tok[e]) * ww;
@@ -726,8 +752,8 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 }
 
 // ------------------------------------------------------------------------------------------------ packed forward
-// float32 tables about the size of the LLC, many tokens: the output is built in column blocks of kPackCols columns
-// for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables, two phases:
+// Tables (float32, bfloat16, float16) about the size of the LLC, many tokens: the output is built in column blocks of
+// kPackCols columns for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables, two phases:
 // 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
 //    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
 //    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
@@ -747,8 +773,8 @@ constexpr int64_t kPackAhead = 32;   // rows prefetched (into L2) ahead of the c
 
 // acc[n + i, :] (+)= sum over the gn tables of the group of sc * pack[loc], for the TT tokens n .. n + TT - 1 of the
 // chunk, whose entries of the group are loc/sc[(n + i) * gn + k]; `first` starts from the bias block instead.
-template <int TT>
-inline void packed_tokens(const int32_t* loc, const float* sc, const float* pack, const float* bias_block, float* acc,
+template <int TT, typename T>
+inline void packed_tokens(const int32_t* loc, const float* sc, const T* pack, const float* bias_block, float* acc,
                           int64_t n, int64_t gn, bool first) {
   fVec a[TT][kPackVecs];
 #pragma GCC unroll 4
@@ -762,10 +788,10 @@ inline void packed_tokens(const int32_t* loc, const float* sc, const float* pack
   for (int64_t k = 0; k < gn; ++k) {
 #pragma GCC unroll 4
     for (int i = 0; i < TT; ++i) {
-      const float* t = pack + l[i * gn + k];
+      const T* t = pack + l[i * gn + k];
       const fVec w(s[i * gn + k]);
 #pragma GCC unroll 8
-      for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = at::vec::fmadd(w, fVec::loadu(t + v * kLanes), a[i][v]);
+      for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = at::vec::fmadd(w, load_floats(t + v * kLanes), a[i][v]);
     }
   }
 #pragma GCC unroll 4
@@ -775,14 +801,20 @@ inline void packed_tokens(const int32_t* loc, const float* sc, const float* pack
   }
 }
 
-// Whether the packed forward can run: float32 tables whose width is whole column blocks.
-bool packed_applies(at::ScalarType dtype, int64_t D) { return dtype == at::kFloat && D % kPackCols == 0; }
+// Whether the packed forward can run: float32, bfloat16 or float16 tables whose width is whole column blocks.
+bool packed_applies(at::ScalarType dtype, int64_t D) {
+  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && D % kPackCols == 0;
+}
 
-void lookup_packed(const int64_t* rows, const float* scores, const float* tables, const float* bias, float* out,
+// T: the tables' dtype, which the packed rows keep (bfloat16 / float16 rows take half the bytes of float32 ones, so a
+// group holds twice the rows, and are widened to float32 in registers as they are added); sums in float32; the output
+// in T (bias in T).
+template <typename T>
+void lookup_packed(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
                    int64_t N, int64_t K, int64_t P, int64_t D) {
   if (N == 0) return;
   const Tuning tu = tuning();
-  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * kPackCols * int64_t(sizeof(float)))));
+  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * kPackCols * int64_t(sizeof(T)))));
   // Chunks of equal size, at most pack_chunk tokens: a small last chunk would copy the whole table for few tokens.
   const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
   const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols;
@@ -803,24 +835,26 @@ void lookup_packed(const int64_t* rows, const float* scores, const float* tables
     }
   });
   // Rows [0, nrows) of the group from g0, columns c0 .. c0 + kPackCols - 1, into pack.
-  auto copy = [=](float* pack, int64_t g0, int64_t nrows, int64_t c0) {
-    const float* base = tables + g0 * P * D + c0;
+  auto copy = [=](T* pack, int64_t g0, int64_t nrows, int64_t c0) {
+    const T* base = tables + g0 * P * D + c0;
     for (int64_t r = 0; r < nrows; ++r) {
-      const float* src = base + r * D;
+      const T* src = base + r * D;
       if (r + kPackAhead < nrows)
-        for (int64_t c = 0; c < kPackCols; c += 64 / int64_t(sizeof(float)))
+        for (int64_t c = 0; c < kPackCols; c += 64 / int64_t(sizeof(T)))
           __builtin_prefetch(src + kPackAhead * D + c, 0, 2);
-      std::memcpy(pack + r * kPackCols, src, sizeof(float) * kPackCols);
+      std::memcpy(static_cast<void*>(pack + r * kPackCols), src, sizeof(T) * kPackCols);
     }
   };
   parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
-    const int64_t pack_floats = G * P * kPackCols, acc_floats = chunk_size * kPackCols;
-    float* pack = scratch<float>(kWorkerSlot, pack_floats + acc_floats);
-    float* acc = pack + pack_floats;
+    // One scratch block: the accumulator [chunk, kPackCols] float32 first (64-byte aligned), then the packed rows.
+    const int64_t acc_floats = chunk_size * kPackCols, pack_bytes = G * P * kPackCols * int64_t(sizeof(T));
+    float* acc = static_cast<float*>(scratch_bytes(kWorkerSlot, size_t(acc_floats * int64_t(sizeof(float)) +
+                                                                        pack_bytes)));
+    T* pack = reinterpret_cast<T*>(acc + acc_floats);
     alignas(64) float bias_block[kPackCols];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t n0 = (u / nblk) * chunk_size, nn = std::min(chunk_size, N - n0), c0 = (u % nblk) * kPackCols;
-      for (int64_t c = 0; c < kPackCols; ++c) bias_block[c] = bias ? bias[c0 + c] : 0.0f;
+      for (int64_t c = 0; c < kPackCols; ++c) bias_block[c] = bias ? float(bias[c0 + c]) : 0.0f;
       for (int64_t g0 = 0; g0 < K; g0 += G) {
         const int64_t gn = std::min(G, K - g0);
         copy(pack, g0, gn * P, c0);
@@ -1191,9 +1225,9 @@ at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const a
 }
 
 // The forward strategy "auto" runs (see the design notes at the top):
-//   up to kSmallBatch tokens (or float64): token-major; float32 tables (width a multiple of kPackCols) with
-//   >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed, whatever the tables' size;
-//   other dtypes, tables beyond the LLC (Tuning::bucketed_min) with >= kBucketedHits lookups per row and a column
+//   up to kSmallBatch tokens (or float64): token-major; float32, bfloat16 or float16 tables (width a multiple of
+//   kPackCols) with >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed, whatever the
+//   tables' size; other widths, tables beyond the LLC (Tuning::bucketed_min) with >= kBucketedHits lookups per row and a column
 //   block per thread: bucketed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
 //   EmbeddingSpMDM kernel, the fastest gather we measured for few lookups per row; it splits tokens, so it uses every
 //   thread on any shape).
@@ -1220,7 +1254,8 @@ at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, 
               "' (use auto, token, embedding_bag, bucketed or packed)");
   if (how == "auto") how = choose_strategy(N, K, P, D, tables.scalar_type());
   TORCH_CHECK(how != "packed" || packed_applies(tables.scalar_type(), D), "memoryformer_cpu.lookup_strategy: "
-              "'packed' needs float32 tables with a width that is a multiple of ", kPackCols);
+              "'packed' needs float32, bfloat16 or float16 tables with a width that is a multiple of ", kPackCols,
+              ", got ", tables.scalar_type(), " tables of width ", D);
   TORCH_CHECK(how != "embedding_bag" || tables.scalar_type() != at::kDouble,
               "memoryformer_cpu.lookup_strategy: 'embedding_bag' does not take float64 tables");
   at::Tensor s, b;
@@ -1235,8 +1270,11 @@ at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, 
   }
   auto out = at::empty({N, D}, tables.options());
   if (how == "packed") {
-    lookup_packed(rows.data_ptr<int64_t>(), s.data_ptr<float>(), tables.data_ptr<float>(),
-                  b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, K, P, D);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_packed", [&] {
+      if constexpr (!std::is_same<scalar_t, double>::value)   // float64 is refused above (packed_applies)
+        lookup_packed<scalar_t>(rows.data_ptr<int64_t>(), s.data_ptr<float>(), tables.data_ptr<scalar_t>(),
+                                b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), N, K, P, D);
+    });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup", [&] {

@@ -571,7 +571,10 @@ def _kernel_march() -> str:
 def _kernel_flags(march: str, namespace: str | None = None) -> list[str]:
     if not _MARCH_PATTERN.fullmatch(march):
         raise ValueError(f"{march!r} is not a -march value (e.g. native, x86-64-v3, armv8.2-a).")
-    flags = ["-O3", f"-march={march}", "-fopenmp"]
+    # -fno-trapping-math: the kernel never reads floating-point exception flags, and without it GCC keeps the branch
+    # of a compare-and-select (exp_nonpos's clamp) and leaves the hash's loops scalar (4.2 ms instead of 0.69 ms for
+    # 2048 x 512 values, 2 threads, AMD EPYC Zen 3).
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"]
     if namespace is not None:
         flags.append(f"-DMEMORYFORMER_OPS={namespace}")
     return flags

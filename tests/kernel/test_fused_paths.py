@@ -1,8 +1,8 @@
 """The fused CPU kernel's internal strategies, each against an independent float64 oracle.
 
-The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, the packed pass for float32
-tables from two lookups per row, and the bucketed pass that streams the tables once, for other dtypes beyond the cache
-with many tokens); the backward always takes the bucketed pass, in chunks of tokens set by the caches and column
+The `lookup` op switches strategy by size (token-major gather, FBGEMM embedding_bag, the packed pass for float32,
+bfloat16 and float16 tables from two lookups per row, and the bucketed pass that streams the tables once, for other
+widths beyond the cache with many tokens); the backward always takes the bucketed pass, in chunks of tokens set by the caches and column
 blocks of 64. Tiny layers never reach most of these branches, so this file forces each one (`lookup_strategy`, pinned
 cache sizes) on shapes around its edges: token counts 1 / 2047 / 2048 / 2049 / 4100 (one to several chunks), widths
 below, at and between multiples of 64 (ragged last block), several groups of packed tables, and every table dtype.
@@ -89,6 +89,7 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
     assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize(
     "n, num_tables, hash_bits, out_features",
@@ -103,11 +104,17 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
         (300, 3, 12, 64),  # 4096 rows per table: larger than one group's budget, one table per group
     ],
 )
-def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, with_bias):
-    rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, torch.float32, seed=n)
+def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, with_bias, dtype):
+    """16-bit tables are packed as 16-bit rows (twice the rows per group: other group boundaries than float32's) and
+    summed in float32: the oracle is the float64 sum of the same 16-bit values, within one rounding of the output."""
+    rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=n)
     bias = bias if with_bias else None
     y = ops().lookup_strategy(rows, scores, tables, bias, 2**hash_bits, "packed")
-    assert_forward_matches_oracle(y, rows, scores, tables, bias, torch.float32)
+    assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
+    if dtype != torch.float32 and n:  # float32 sums: the same as the float32 pass on the widened tables, rounded once
+        wide = ops().lookup_strategy(rows, scores, tables.float(), None if bias is None else bias.float(),
+                                     2**hash_bits, "packed")
+        assert torch.allclose(y.float(), wide.to(dtype).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_packed_and_bucketed_passes_give_the_same_bits_on_any_number_of_threads():
@@ -162,20 +169,34 @@ def test_packed_forward_is_picked_for_float32_tables_from_two_lookups_per_row(ma
     assert ops().plan(2048, 64, 256, 512, torch.float32, True) == "bucketed"
 
 
-def test_tables_beyond_the_cache_that_packing_cannot_take_are_streamed_from_two_lookups_per_row(machine):
-    """bfloat16 tables, or float32 ones whose width is not whole 32-column blocks, beyond 3/2 of the L3: from 2 lookups
-    per row one sequential pass over the tables (bucketed) replaces the random row reads (embedding_bag); inside the
-    cache the row reads stay."""
+def test_16_bit_tables_are_packed_like_float32_ones(machine):
+    """bfloat16 and float16 tables of whole 32-column blocks take the packed pass from 2 lookups per row, inside the L3
+    or beyond it, and `lookup` equals it."""
     machine(32 << 10, 1 << 20, 32 << 20, 2)
-    # 64 tables of 1024 rows x 512 bf16 = 64 MB; x 520 float32 = 136 MB
-    for width, dtype in ((512, torch.bfloat16), (520, torch.float32)):
-        assert ops().plan(2047, 64, 1024, width, dtype, False) == "embedding_bag"
-        assert ops().plan(2048, 64, 1024, width, dtype, False) == "bucketed"
-        assert ops().plan(4096, 64, 1024, width, dtype, False) == "bucketed"
-    assert ops().plan(4096, 64, 256, 512, torch.bfloat16, False) == "embedding_bag"  # 16.8 MB: inside the L3
-    rows, scores, tables, bias = hashed_inputs(600, 4, 8, 96, torch.bfloat16, seed=6)
-    machine(32 << 10, 1 << 20, 64 << 10, 2)  # 4 x 256 x 96 bf16 = 197 KB, beyond 3/2 of a 64 KB "L3"
-    assert ops().plan(600, 4, 256, 96, torch.bfloat16, False) == "bucketed"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert ops().plan(4096, 64, 256, 512, dtype, False) == "packed"  # 16.8 MB: inside the L3
+        assert ops().plan(2048, 64, 1024, 512, dtype, False) == "packed"  # 64 MB: beyond it
+        assert ops().plan(511, 64, 256, 512, dtype, False) == "embedding_bag"
+    rows, scores, tables, bias = hashed_inputs(600, 4, 8, 96, torch.bfloat16, seed=7)
+    assert ops().plan(600, 4, 256, 96, torch.bfloat16, False) == "packed"
+    assert torch.equal(ops().lookup(rows, scores, tables, bias, 256),
+                       ops().lookup_strategy(rows, scores, tables, bias, 256, "packed"))
+
+
+def test_tables_beyond_the_cache_that_packing_cannot_take_are_streamed_from_two_lookups_per_row(machine):
+    """Tables whose width is not whole 32-column blocks, beyond 3/2 of the L3: from 2 lookups per row one sequential
+    pass over the tables (bucketed) replaces the random row reads (embedding_bag); inside the cache the row reads
+    stay."""
+    machine(32 << 10, 1 << 20, 32 << 20, 2)
+    # 64 tables of 1024 rows x 520 bf16 = 68 MB; x 520 float32 = 136 MB
+    for dtype in (torch.bfloat16, torch.float32):
+        assert ops().plan(2047, 64, 1024, 520, dtype, False) == "embedding_bag"
+        assert ops().plan(2048, 64, 1024, 520, dtype, False) == "bucketed"
+        assert ops().plan(4096, 64, 1024, 520, dtype, False) == "bucketed"
+    assert ops().plan(4096, 64, 256, 520, torch.bfloat16, False) == "embedding_bag"  # 17 MB: inside the L3
+    rows, scores, tables, bias = hashed_inputs(600, 4, 8, 100, torch.bfloat16, seed=6)
+    machine(32 << 10, 1 << 20, 64 << 10, 2)  # 4 x 256 x 100 bf16 = 205 KB, beyond 3/2 of a 64 KB "L3"
+    assert ops().plan(600, 4, 256, 100, torch.bfloat16, False) == "bucketed"
     assert torch.equal(ops().lookup(rows, scores, tables, bias, 256),
                        ops().lookup_strategy(rows, scores, tables, bias, 256, "bucketed"))
 
@@ -197,10 +218,11 @@ def test_strategy_errors_name_the_problem():
     rows, scores, tables, bias = hashed_inputs(8, 2, 3, 40, torch.float32)
     with pytest.raises(RuntimeError, match="unknown strategy 'fast'"):
         ops().lookup_strategy(rows, scores, tables, bias, 8, "fast")
-    with pytest.raises(RuntimeError, match="'packed' needs float32 tables with a width that is a multiple of 32"):
+    with pytest.raises(RuntimeError, match="'packed' needs float32, bfloat16 or float16 tables with a width that is "
+                                           "a multiple of 32, got Float tables of width 40"):
         ops().lookup_strategy(rows, scores, tables, bias, 8, "packed")
-    with pytest.raises(RuntimeError, match="'packed' needs float32"):
-        ops().lookup_strategy(rows, scores, tables[:, :32].to(torch.bfloat16).contiguous(), None, 8, "packed")
+    with pytest.raises(RuntimeError, match="'packed' needs float32, bfloat16 or float16 tables .* got Double"):
+        ops().lookup_strategy(rows, scores, tables[:, :32].double().contiguous(), None, 8, "packed")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)

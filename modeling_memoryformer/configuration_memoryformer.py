@@ -75,6 +75,11 @@ class MemoryFormerConfig(PreTrainedConfig):
             "int8" (a float32 scale and offset per row, inference only); rows are summed in float32. Set by
             `model.quantize_tables(...)` and saved with the model, so `from_pretrained` rebuilds the same storage.
         lm_head_dtype: storage of the LM head: None, "bfloat16" or "int8" (a float32 scale per row, inference only).
+        sparse_table_gradients: the gradient of every Memory Layer's tables is a sparse tensor of the rows hit (as
+            `nn.Embedding(sparse=True)`) instead of a dense tensor the size of the tables: for steps of few tokens
+            (fine-tuning, small batches), whose backward is otherwise mostly the writing of that dense gradient. Take
+            an optimizer that accepts sparse gradients for the tables (`torch.optim.SparseAdam`, `Adagrad`, or `SGD`
+            without weight decay; not AdamW) and no gradient clipping over them. Default False.
         loss_chunk_tokens: tokens per chunk of the training loss (default 512). In training mode with labels and
             gradients, the LM head and the cross-entropy run as one chunked pass (`memory_ops.linear_cross_entropy`)
             that never holds the [tokens, vocab] logits or their gradient; the loss is the same. In training mode
@@ -117,6 +122,7 @@ class MemoryFormerConfig(PreTrainedConfig):
         table_dtype: str | None = None,
         lm_head_dtype: str | None = None,
         loss_chunk_tokens: int = LINEAR_CE_CHUNK_TOKENS,
+        sparse_table_gradients: bool = False,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -146,6 +152,7 @@ class MemoryFormerConfig(PreTrainedConfig):
         self.table_dtype = canonical_storage_dtype(table_dtype, "table_dtype")
         self.lm_head_dtype = canonical_storage_dtype(lm_head_dtype, "lm_head_dtype")
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.sparse_table_gradients = sparse_table_gradients
         self._check_hash_shapes()  # intermediate_size's default needs a valid hash_bits
         if intermediate_size is None:
             intermediate_size = (hash_bits + expand_bits) * (hidden_size // hash_bits)
@@ -230,7 +237,8 @@ class MemoryFormerConfig(PreTrainedConfig):
                     f"{name} must be a number in [0, 1), got {value!r}. Use 0.0 (the default, as Pythia) or a "
                     "probability below 1 such as 0.1."
                 )
-        for name in ("memory_bias", "use_parallel_residual", "use_cache", "tie_word_embeddings"):
+        for name in ("memory_bias", "use_parallel_residual", "use_cache", "tie_word_embeddings",
+                     "sparse_table_gradients"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}. Pass a bool, not a string or number.")

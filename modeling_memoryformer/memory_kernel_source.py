@@ -20,6 +20,8 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 //       "embedding_bag", "packed", "bucketed" force one; tests use them to check every branch).
 // - lookup_backward(grad_y, rows, scores, tables, need_tables, need_scores) -> (grad_scores, grad_tables)
 //       grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>; grad_tables[r] = sum_{(n,k): rows[n,k]=r} scores * grad_y[n]
+// - lookup_backward_rows(grad_y, rows, scores, tables, need_scores) -> (grad_scores, rows_hit [U], values [U, D]):
+//       the table gradient as the U distinct rows hit only, ascending (see "rows-hit backward").
 // - hash_backward(grad_scores, x, tau, l1, t) -> grad_x through the score derivative (codes are piecewise constant).
 // - int8_lookup(rows, scores, packed, bias?, rows_per_table) -> y[N, D] float32: lookup on int8
 //       tables in FBGEMM's row-wise layout (packed uint8 [R, D + 8]: codes, float32 scale, float32 offset per row),
@@ -968,6 +970,56 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
   });
 }
 
+// ------------------------------------------------------------------------------------------------ rows-hit backward
+// The table gradient as the rows hit and their gradients only (a sparse gradient), for few tokens: the dense form
+// writes every row of the tables (zeros for the rows nobody hit: 33.5 MB for a d=512 layer of 256-row tables), which
+// dominates a backward of a few tokens. Per table k (tables split over the threads): the lookups (row, token) of the
+// table sorted by row (std::sort of N 64-bit keys), then each distinct row's gradient summed in float32 registers
+// over its tokens, in token order, and each lookup's score gradient <grad_y[n], tables[row]>. Output rows ascending
+// (table k's rows come before table k + 1's), so the sparse gradient is coalesced as made.
+// Pass 1 (hits_sorted): the sorted keys and the number of distinct rows of each table; pass 2 fills the outputs.
+template <typename T>
+void backward_rows_kernel(const float* gy, const int64_t* rows, const float* scores, const T* tables,
+                          const uint64_t* keys, const int64_t* start, int64_t* out_rows, T* values,
+                          float* grad_scores, int64_t N, int64_t K, int64_t D) {
+  parallel_tokens(K, N * K * D, [=](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint64_t* kk = keys + k * N;
+      int64_t u = start[k];
+      for (int64_t e = 0; e < N;) {
+        const int64_t row = rows[(kk[e] & 0xffffffffu) * K + k];
+        int64_t e1 = e + 1;
+        while (e1 < N && (kk[e1] >> 32) == (kk[e] >> 32)) ++e1;
+        T* v = values + u * D;
+        out_rows[u++] = row;
+        const T* t = tables + row * D;
+        for (int64_t c0 = 0; c0 < D; c0 += kCols) {   // the row's gradient, kCols columns at a time in registers
+          const int64_t w = std::min(kCols, D - c0);
+          float acc[kCols] = {};
+          for (int64_t i = e; i < e1; ++i) {
+            const int64_t n = int64_t(kk[i] & 0xffffffffu);
+            const float sn = scores[n * K + k];
+            const float* g = gy + n * D + c0;
+#pragma omp simd
+            for (int64_t j = 0; j < w; ++j) acc[j] += sn * g[j];
+          }
+          for (int64_t j = 0; j < w; ++j) v[c0 + j] = static_cast<T>(acc[j]);
+        }
+        if (grad_scores)
+          for (int64_t i = e; i < e1; ++i) {
+            const int64_t n = int64_t(kk[i] & 0xffffffffu);
+            const float* g = gy + n * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < D; ++j) dot += g[j] * to_acc(t[j]);
+            grad_scores[n * K + k] = dot;
+          }
+        e = e1;
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------------------------ gradient memory
 // A table gradient is as large as the tables (tens of MB per layer) and freshly allocated by every backward; the
 // first-touch page faults on that memory cost more than the kernel that fills it. Gradients are therefore taken from
@@ -1016,9 +1068,15 @@ void return_to_pool(void* ptr) {
   }
 }
 
-at::Tensor pooled_empty_like(const at::Tensor& t, bool transient = false) {
+// An uninitialised tensor of `sizes` from the pool. `pow2`: the block is a power-of-two number of 2 MB pages, so that
+// tensors whose size changes from call to call (the rows-hit gradient) reuse blocks, at most twice their size.
+at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options, bool transient, bool pow2 = false) {
   const size_t huge = size_t(2) << 20;
-  const size_t bytes = (t.nbytes() + huge - 1) / huge * huge;
+  size_t bytes = size_t(c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
+  for (const int64_t n : sizes) bytes *= size_t(n);
+  bytes = (bytes + huge - 1) / huge * huge;
+  if (pow2)
+    while (bytes & (bytes - 1)) bytes += bytes & (~bytes + 1);   // round the page count up to a power of two
   void* ptr = nullptr;
   {
     std::lock_guard<std::mutex> lock(pool_mutex);
@@ -1036,11 +1094,15 @@ at::Tensor pooled_empty_like(const at::Tensor& t, bool transient = false) {
     }
   }
   if (!ptr) {  // pool full or disabled: an ordinary allocation
-    auto out = at::empty_like(t);
+    auto out = at::empty(sizes, options);
     advise_huge_pages(out.data_ptr(), out.nbytes());
     return out;
   }
-  return at::from_blob(ptr, t.sizes(), return_to_pool, t.options());
+  return at::from_blob(ptr, sizes, return_to_pool, options);
+}
+
+at::Tensor pooled_empty_like(const at::Tensor& t, bool transient = false) {
+  return pooled_empty(t.sizes(), t.options(), transient);
 }
 
 int64_t release_gradient_pool() {
@@ -1324,6 +1386,60 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out
   return {gscores, gtables};
 }
 
+// The rows-hit backward (see above): -> (grad_scores [N, K] float32 or undefined, rows [U] int64 ascending, values
+// [U, D] in the tables' dtype), the U distinct rows hit and their gradients. float32, bfloat16 and float16 tables
+// (float64 ones take the dense backward); at most 2^32 - 1 tokens.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_backward_rows_op(const at::Tensor& grad_out,
+                                                                       const at::Tensor& rows,
+                                                                       const at::Tensor& scores,
+                                                                       const at::Tensor& tables,
+                                                                       int64_t rows_per_table, bool need_scores) {
+  const char* op = "lookup_backward_rows";
+  check_lookup_args(rows, scores, tables, rows_per_table, op);
+  const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
+  TORCH_CHECK(tables.scalar_type() != at::kDouble, "memoryformer_cpu.lookup_backward_rows: float64 tables take the "
+              "dense backward (lookup_backward)");
+  TORCH_CHECK(N < (int64_t(1) << 32), "memoryformer_cpu.lookup_backward_rows: at most 2^32 - 1 tokens, got ", N);
+  TORCH_CHECK(grad_out.defined(), "memoryformer_cpu.lookup_backward_rows: grad_out is undefined");
+  check_floating(grad_out, op, "grad_out");
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
+              "memoryformer_cpu.lookup_backward_rows: grad_out must be [N, D] = [", N, ", ", D, "], got ",
+              grad_out.sizes());
+  auto gy = grad_out.to(at::kFloat).contiguous();
+  auto s = scores.to(at::kFloat).contiguous();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  // Pass 1: per table, keys (row << 32 | token) sorted, and the count of distinct rows.
+  std::vector<uint64_t> keys(size_t(N * K));
+  std::vector<int64_t> start(size_t(K + 1), 0);
+  uint64_t* kp = keys.data();
+  int64_t* sp = start.data();
+  parallel_tokens(K, N * K * 16, [=](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      uint64_t* kk = kp + k * N;
+      for (int64_t n = 0; n < N; ++n) kk[n] = (uint64_t(r[n * K + k]) << 32) | uint64_t(n);
+      std::sort(kk, kk + N);
+      int64_t distinct = 0;
+      for (int64_t e = 0; e < N; ++e) distinct += (e == 0 || (kk[e] >> 32) != (kk[e - 1] >> 32));
+      sp[k + 1] = distinct;
+    }
+  });
+  for (int64_t k = 0; k < K; ++k) start[k + 1] += start[k];
+  const int64_t U = start[K];
+  auto out_rows = at::empty({U}, rows.options());
+  // From the pool (see "gradient memory"): tens of MB for a few hundred tokens, whose first-touch page faults took
+  // longer than the kernel; the size changes with the rows hit, hence blocks of a power of two of 2 MB pages.
+  auto values = pooled_empty({U, D}, tables.options(), /*transient=*/true, /*pow2=*/true);
+  at::Tensor gscores;
+  if (need_scores) gscores = at::empty({N, K}, tables.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tables.scalar_type(), "memoryformer_lookup_bwd_rows", [&] {
+    if constexpr (!std::is_same<scalar_t, double>::value)
+      backward_rows_kernel<scalar_t>(gy.data_ptr<float>(), r, s.data_ptr<float>(), tables.data_ptr<scalar_t>(), kp,
+                                     sp, out_rows.data_ptr<int64_t>(), values.data_ptr<scalar_t>(),
+                                     need_scores ? gscores.data_ptr<float>() : nullptr, N, K, D);
+  });
+  return {gscores, out_rows, values};
+}
+
 // int8 tables (see "int8 tables"): packed uint8 [K * rows_per_table, D + 8], rows and scores as for lookup (rows[:, k]
 // in table k), bias of D floating values or none -> float32 [N, D], by the token-major pass. The packed pass over int8
 // rows (codes converted to float while copied, scale folded into the weights) was measured and dropped: at 64 tables
@@ -1533,6 +1649,8 @@ MEMORYFORMER_LIBRARY(MEMORYFORMER_OPS, m) {
   m.def("lookup(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
   m.def("lookup_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
         "bool need_tables, bool need_scores) -> (Tensor, Tensor)");
+  m.def("lookup_backward_rows(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
+        "bool need_scores) -> (Tensor, Tensor, Tensor)");
   m.def("lookup_strategy(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table, str strategy) "
         "-> Tensor");
   m.def("int8_lookup(Tensor rows, Tensor scores, Tensor packed, Tensor? bias, int rows_per_table) -> Tensor");
@@ -1556,6 +1674,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("lookup", &lookup_op);
   m.impl("lookup_strategy", &lookup_strategy_op);
   m.impl("lookup_backward", &lookup_backward_op);
+  m.impl("lookup_backward_rows", &lookup_backward_rows_op);
   m.impl("int8_lookup", &int8_lookup_op);
   m.impl("linear_rows", &linear_rows_op);
   m.impl("rowwise_adagrad_step", &rowwise_adagrad_step_op);

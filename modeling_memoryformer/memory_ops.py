@@ -204,11 +204,11 @@ def output_dtype(input_dtype: torch.dtype, table_dtype: torch.dtype) -> torch.dt
 
 
 def memory_lookup_hashed(
-    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None
+    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None, sparse: bool = False
 ) -> torch.Tensor:
     """Gather-accumulate for precomputed hashes: rows, scores [..., K] -> [..., d_out].
 
-    Lets several tables share one hash of the same input (see `MemoryLayer.hash`).
+    Lets several tables share one hash of the same input (see `MemoryLayer.hash`). `sparse`: see `memory_lookup`.
     """
     if not torch.compiler.is_compiling() and rows.numel():
         num_tables = rows.shape[-1]
@@ -226,20 +226,29 @@ def memory_lookup_hashed(
                 f"values in [{int(rows.min())}, {int(rows.max())}]. Pass the rows returned by MemoryLayer.hash() of a "
                 "layer with the same in_features and hash_bits."
             )
-    return _gather_accumulate(rows, scores, tables, bias, output_dtype(scores.dtype, tables.dtype))
+    return _gather_accumulate(rows, scores, tables, bias, output_dtype(scores.dtype, tables.dtype), sparse)
 
 
 def _gather_accumulate(
-    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    sparse: bool = False,
 ) -> torch.Tensor:
     """sum_k scores[..., k] * tables[rows[..., k]] (+ bias) in `dtype`. Both paths accumulate in float32 (float64 for
     float64 tables); tables narrower than `dtype` give their sum in the tables' dtype, widened afterwards, and the
-    bias is added in `dtype`."""
+    bias is added in `dtype`. `sparse`: the tables' gradient is a sparse tensor of the rows hit (see
+    `memory_lookup`)."""
     update = table_update_for(tables)
     if update is not None:
         return _LookupUpdatingTables.apply(rows, scores, tables, bias, dtype, update)
     lead = rows.shape[:-1]
     mixed = dtype != tables.dtype
+    if sparse and tables.requires_grad and torch.is_grad_enabled():
+        y = _sparse_gather(rows.reshape(-1, rows.shape[-1]), scores.reshape(-1, scores.shape[-1]), tables)
+        if mixed:
+            y = y.to(dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, tables.shape[-1])
     if _use_fused(tables):
         num_tables = rows.shape[-1]
         y = torch.ops.memoryformer_cpu.lookup(
@@ -408,6 +417,78 @@ class _LookupUpdatingTables(torch.autograd.Function):
         return None, grad_scores, None, grad_bias, None, None
 
 
+class _SparseGather(torch.autograd.Function):
+    """sum_k scores[n, k] * tables[rows[n, k]] (rows, scores [N, K] -> [N, D] in the tables' dtype) whose table
+    gradient is sparse: the distinct rows hit, ascending, and their gradients (float32 sums, in the tables' dtype).
+
+    A dense table gradient is a tensor the size of the tables (33.5 MB for a d=512 layer of 8-bit hashes), written in
+    full, zeros included, by every backward: for a few tokens that write is nearly all of the backward's time. The
+    sparse gradient holds at most N * K rows. Optimizers that take sparse gradients: `torch.optim.SparseAdam`,
+    `torch.optim.Adagrad`, `torch.optim.SGD` (without weight decay); AdamW refuses them (as for
+    `nn.Embedding(sparse=True)`). The fused CPU kernel's `lookup_backward_rows` computes it; elsewhere (another
+    device, the torch kernel, float64 tables) PyTorch's `embedding_bag(sparse=True)` does."""
+
+    @staticmethod
+    def forward(ctx, rows, scores, tables):
+        ctx.save_for_backward(rows, scores, tables)
+        per_table = tables.shape[0] // rows.shape[1]
+        return torch.ops.memoryformer_cpu.lookup(rows.contiguous(), scores, tables.contiguous(), None, per_table)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, scores, tables = ctx.saved_tensors
+        per_table = tables.shape[0] // rows.shape[1]
+        need_scores = ctx.needs_input_grad[1]
+        grad_scores, hit, values = torch.ops.memoryformer_cpu.lookup_backward_rows(
+            grad.contiguous(), rows.contiguous(), scores, tables.contiguous(), per_table, need_scores
+        )
+        grad_tables = None
+        if ctx.needs_input_grad[2]:
+            grad_tables = torch.sparse_coo_tensor(hit.unsqueeze(0), values, tables.shape, is_coalesced=True,
+                                                  check_invariants=False)  # ascending and distinct as made
+        if need_scores:
+            grad_scores = grad_scores.to(scores.dtype)
+        return None, grad_scores if need_scores else None, grad_tables
+
+
+class _SparseMemoryLookup(torch.autograd.Function):
+    """The whole Memory Layer (hash, score, gather, bias) with a sparse table gradient, on the fused CPU kernel, as one
+    autograd node: x [N, K * tau] -> [N, D] in the tables' dtype. For a few tokens the layer's time is mostly
+    per-call overhead, and one node instead of three (hash, gather, bias) halves it."""
+
+    @staticmethod
+    def forward(ctx, x, tables, bias, hash_bits, l1, temperature):
+        ops = torch.ops.memoryformer_cpu
+        rows, scores = ops.hash(x, hash_bits, l1, temperature)
+        per_table = tables.shape[0] // rows.shape[1]
+        ctx.save_for_backward(x, rows, scores, tables)
+        ctx.args = (hash_bits, l1, temperature)
+        return ops.lookup(rows, scores, tables, bias, per_table)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ops = torch.ops.memoryformer_cpu
+        x, rows, scores, tables = ctx.saved_tensors
+        need_x, need_tables, need_bias = ctx.needs_input_grad[:3]
+        grad = grad.contiguous()
+        grad_scores, hit, values = ops.lookup_backward_rows(grad, rows, scores, tables, tables.shape[0] // rows.shape[1],
+                                                            need_x)
+        grad_x = ops.hash_backward(grad_scores, x, *ctx.args) if need_x else None
+        grad_tables = None
+        if need_tables:
+            grad_tables = torch.sparse_coo_tensor(hit.unsqueeze(0), values, tables.shape, is_coalesced=True,
+                                                  check_invariants=False)  # ascending and distinct as made
+        grad_bias = grad.sum(0) if need_bias else None
+        return grad_x, grad_tables, grad_bias, None, None, None
+
+
+def _sparse_gather(rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[N, K] rows and scores -> [N, D] in the tables' dtype, with a sparse table gradient (`_SparseGather`)."""
+    if _use_fused(tables) and tables.dtype != torch.float64 and not torch.compiler.is_compiling():
+        return _SparseGather.apply(rows, scores, tables)
+    return F.embedding_bag(rows, tables, per_sample_weights=scores.to(tables.dtype), mode="sum", sparse=True)
+
+
 def memory_lookup(
     x: torch.Tensor,
     tables: torch.Tensor,
@@ -415,10 +496,13 @@ def memory_lookup(
     hash_bits: int,
     score: str = "paper",
     temperature: float = 1.0,
+    sparse: bool = False,
 ) -> torch.Tensor:
     """The Memory Layer, production path: same maths as `memory_lookup_reference`, no [..., K, d_out] buffer.
 
     x: [..., K * tau], tables: [K * 2**tau, d_out], bias: [d_out] or None -> [..., d_out].
+    sparse: the gradient of `tables` is a sparse COO tensor holding the rows hit and their gradients (coalesced), as
+    `nn.Embedding(sparse=True)` gives, instead of a dense tensor the size of the tables (see `_SparseGather`).
     """
     check_hash_parameters(hash_bits, score, temperature)  # before either path (the fused one scores in C++)
     _check_tables(x, tables, hash_bits)
@@ -427,8 +511,16 @@ def memory_lookup(
             f"bias must be a floating-point vector of out_features={tables.shape[-1]} values (one per table column); "
             f"got {bias.dtype} of shape {tuple(bias.shape)}. Pass a bias of shape [{tables.shape[-1]}], or None."
         )
-    rows, scores = hashed_rows(x, hash_bits, score, temperature, fused=_use_fused(tables))
-    return _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype))
+    fused = _use_fused(tables)
+    if (sparse and fused and x.dtype == tables.dtype and tables.dtype != torch.float64 and tables.requires_grad
+            and torch.is_grad_enabled() and not torch.compiler.is_compiling() and table_update_for(tables) is None
+            and (bias is None or bias.dtype == tables.dtype)):
+        lead = x.shape[:-1]
+        y = _SparseMemoryLookup.apply(x.reshape(-1, x.shape[-1]).contiguous(), tables.contiguous(), bias, hash_bits,
+                                      score == "l1", float(temperature))
+        return y.view(*lead, tables.shape[-1])
+    rows, scores = hashed_rows(x, hash_bits, score, temperature, fused=fused)
+    return _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype), sparse)
 
 
 def hashed_rows(x: torch.Tensor, hash_bits: int, score: str = "paper", temperature: float = 1.0,
@@ -910,6 +1002,12 @@ def _register_autograd_and_fake() -> None:
     @torch.library.register_fake("memoryformer_cpu::linear_rows")
     def _linear_rows_fake(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("memoryformer_cpu::lookup_backward_rows")
+    def _lookup_backward_rows_fake(grad_out, rows, scores, tables, rows_per_table, need_scores):
+        hit = torch.library.get_ctx().new_dynamic_size()
+        grad_scores = scores.new_empty(rows.shape, dtype=torch.float32) if need_scores else None
+        return grad_scores, rows.new_empty((hit,)), tables.new_empty((hit, tables.shape[1]))
 
     @torch.library.register_fake("memoryformer_cpu::lookup_backward")
     def _lookup_backward_fake(grad_out, rows, scores, tables, rows_per_table, need_tables, need_scores):

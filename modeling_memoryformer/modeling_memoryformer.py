@@ -94,6 +94,8 @@ class MemoryLayer(nn.Module):
         score: "paper" or "l1" (see `memory_ops.hash_scores`).
         temperature: t > 0 in the score.
         table_dtype: None (tables in `dtype`), "bfloat16", or "int8" (inference only, see quantization.py).
+        sparse: the gradient of `tables` is a sparse tensor of the rows hit, as with `nn.Embedding(sparse=True)`
+            (for few tokens per step; take an optimizer that accepts sparse gradients, e.g. `torch.optim.SparseAdam`).
 
     Parameters: `tables` [K * 2**hash_bits, out_features] (table-major) and `bias` [out_features]. With int8 tables,
     `tables` is None and the buffers `tables_codes` uint8 [K * 2**hash_bits, out_features], `tables_scale` and
@@ -116,10 +118,14 @@ class MemoryLayer(nn.Module):
         score: str = "paper",
         temperature: float = 1.0,
         table_dtype: str | None = None,
+        sparse: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        if not isinstance(sparse, bool):
+            raise ValueError(f"sparse must be True or False, got {sparse!r}.")
+        self.sparse = sparse
         check_hash_parameters(hash_bits, score, temperature)
         if out_features <= 0:
             raise ValueError(f"out_features must be positive, got {out_features}.")
@@ -264,7 +270,8 @@ class MemoryLayer(nn.Module):
                 codes, scale, offset, block = self._int8_tables()
                 return int8_memory_lookup(x, codes, scale, offset, self.bias, self.hash_bits, self.score,
                                           self.temperature, block)
-            return memory_lookup(x, self.tables, self.bias, self.hash_bits, self.score, self.temperature)
+            return memory_lookup(x, self.tables, self.bias, self.hash_bits, self.score, self.temperature,
+                                 self.sparse)
         rows, scores = hashed
         if rows.shape[-1] != self.num_tables:
             raise ValueError(
@@ -274,13 +281,14 @@ class MemoryLayer(nn.Module):
         if self.table_dtype == "int8":
             codes, scale, offset, block = self._int8_tables()
             return int8_lookup(rows, scores, codes, scale, offset, self.bias, scores.dtype, block)
-        return memory_lookup_hashed(rows, scores, self.tables, self.bias)
+        return memory_lookup_hashed(rows, scores, self.tables, self.bias, self.sparse)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, hash_bits={self.hash_bits}, "
             f"num_tables={self.num_tables}, bias={self.bias is not None}, score={self.score!r}, "
             f"temperature={self.temperature}" + (f", table_dtype={self.table_dtype!r}" if self.table_dtype else "")
+            + (", sparse=True" if self.sparse else "")
         )
 
 
@@ -398,6 +406,7 @@ class MemoryFormerAttention(nn.Module):
         self.is_causal = True
         memory_layer = dict(
             hash_bits=config.hash_bits,
+            sparse=config.sparse_table_gradients,
             bias=config.memory_bias,
             score=config.hash_score,
             temperature=config.hash_temperature,
@@ -470,6 +479,7 @@ class MemoryBlock(nn.Module):
     def __init__(self, config: MemoryFormerConfig):
         super().__init__()
         memory_layer = dict(
+            sparse=config.sparse_table_gradients,
             bias=config.memory_bias,
             score=config.hash_score,
             temperature=config.hash_temperature,

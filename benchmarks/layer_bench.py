@@ -4,6 +4,8 @@ For every dtype, width d (in = out = d, hash_bits 8, bias on both) and token cou
 - forward: `layer(x)` under torch.inference_mode, x: [N, d];
 - fwd_bwd: `y = layer(x)`, loss = (y * g).sum() with a fixed random g, then torch.autograd.grad for the
   input, the weight (Linear) / tables (MemoryLayer) and the bias (no .grad accumulation, nothing retained).
+  Each kernel runs twice there: with the dense table gradient (a tensor the size of the tables, the default) and as
+  "<kernel>+sparse", the same layer with `sparse=True` (the gradient of the rows hit, a sparse tensor).
 bfloat16: both layers hold bf16 parameters and get a bf16 input. int8 (forward only; both are inference forms): the
 MemoryLayer's tables stored as int8 (`quantize_tables_("int8")`, a float32 scale and offset per row) against the
 Linear in PyTorch's dynamic int8 form (`torch.ao.quantization.quantize_dynamic`: int8 weight, the input quantised per
@@ -17,6 +19,7 @@ Ratio = median Linear time / median MemoryLayer time (> 1: MemoryLayer faster).
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,6 +58,7 @@ class LayerSpec:
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16", "int8"])
     modes: list[str] = field(default_factory=lambda: list(MODES))
     kernels: list[str] | None = None  # None: every available kernel
+    sparse_grad: bool = True  # fwd_bwd cells also time each kernel with sparse table gradients ("<kernel>+sparse")
     hash_bits: int = 8
     repeats: int = 7
     warmup: int = 2
@@ -107,11 +111,21 @@ def _fwd_bwd_fn(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
     return fn
 
 
+SPARSE = "+sparse"  # suffix of the sparse-gradient variant of a kernel
+
+
+def sparse_twin(memory: MemoryLayer) -> MemoryLayer:
+    """The same layer (same parameter objects) with sparse table gradients."""
+    twin = copy.copy(memory)
+    twin.sparse = True
+    return twin
+
+
 def _context(kernel: str | None, mode: str):
     def ctx():
         stack = contextlib.ExitStack()
         if kernel is not None:
-            stack.enter_context(use_kernel(kernel))
+            stack.enter_context(use_kernel(kernel.removesuffix(SPARSE)))
         if mode == "forward":
             stack.enter_context(torch.inference_mode())
         return stack
@@ -125,7 +139,9 @@ def run(spec: LayerSpec, log=print) -> dict:
     cells = [(dt, d, mode, n) for dt in spec.dtypes for d in spec.dims for mode in spec.modes for n in spec.tokens
              if not (dt == "int8" and mode != "forward")]  # int8 layers do not train
     n_contestants = 1 + len(kernels)
-    total = len(cells) * n_contestants * (max(1, spec.warmup) + spec.repeats)
+    sparse_extra = len(kernels) if spec.sparse_grad else 0
+    total = sum(n_contestants + (sparse_extra if mode == "fwd_bwd" else 0) for _, _, mode, _ in cells) * (
+        max(1, spec.warmup) + spec.repeats)
     log(
         f"Layer level: {len(cells)} cells x {n_contestants} contestants (Linear, "
         f"{', '.join(memory_name(k) for k in kernels)}), warm-up {max(1, spec.warmup)}, repeats {spec.repeats}"
@@ -157,13 +173,16 @@ def run(spec: LayerSpec, log=print) -> dict:
             # A cell measured while other processes took CPU is measured again (after a pause), up to
             # `noisy_retries` times; the attempt with the least contention is kept.
             best = None
+            sparse = spec.sparse_grad and mode == "fwd_bwd"
             for attempt in range(1 + spec.noisy_retries):
                 if attempt:
-                    bar.total += n_contestants * (max(1, spec.warmup) + spec.repeats)
+                    bar.total += (n_contestants + (sparse_extra if sparse else 0)) * (max(1, spec.warmup) + spec.repeats)
                     bar.set_postfix_str(f"{mode} {dtype_name} d={d} N={n} (noisy, retry {attempt})")
                     time.sleep(spec.noisy_wait_s)
                 waited += wait_for_quiet(spec.quiet_wait_s)
                 contestants = [make(linear, None)] + [make(memory, k) for k in kernels]
+                if sparse:
+                    contestants += [make(sparse_twin(memory), k + SPARSE) for k in kernels]
                 round_robin(contestants, spec.repeats, spec.warmup, spec.min_sample_s, tick=bar.update)
                 wall = sum(c.timed_wall_s for c in contestants)
                 other = round(sum(c.other_cpu_s for c in contestants) / wall, 3) if wall > 0 else None

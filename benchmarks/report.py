@@ -150,12 +150,12 @@ def markdown(results: dict) -> str:
 def layer_tables(layer: dict) -> dict[tuple[str, str], list[str]]:
     """{(mode, dtype): markdown table lines}."""
     rows, ratios = layer["rows"], layer["ratios"]
-    kernels = layer["spec"]["kernels"]
     time_of = {(r["mode"], r["dtype"], r["d"], r["tokens"], r["contestant"]): r for r in rows}
     ratio_of = {(r["mode"], r["dtype"], r["d"], r["tokens"], r["kernel"]): r["ratio"] for r in ratios}
     threshold = layer["spec"].get("noisy_cores_threshold", 0.25)
     tables = {}
     for mode in layer["spec"]["modes"]:
+        kernels = _layer_kernels(layer, mode)
         for dtype in layer["spec"]["dtypes"]:
             head = "| d | N tokens | Linear ms |"
             rule = "|---:|---:|---:|"
@@ -177,6 +177,12 @@ def layer_tables(layer: dict) -> dict[tuple[str, str], list[str]]:
             if len(lines) > 2:  # (int8 has no forward + backward)
                 tables[(mode, dtype)] = lines
     return tables
+
+
+def _layer_kernels(layer: dict, mode: str) -> list[str]:
+    """The spec's kernels, then the variants measured in `mode` (e.g. "fused+sparse": sparse table gradients)."""
+    kernels = list(layer["spec"]["kernels"])
+    return kernels + sorted({r["kernel"] for r in layer["ratios"] if r["mode"] == mode} - set(kernels))
 
 
 def _cell_ms(row: dict | None) -> str:
@@ -384,11 +390,11 @@ def _layer_chart(plt, layer: dict | None, mode: str):
     dims = spec["dims"]
     fig, axes = plt.subplots(1, len(dims), figsize=(max(7.5, 4.6 * len(dims)), 4.6), sharey=True, squeeze=False)
     styles = {"fp32": "-", "bf16": "--", "int8": ":"}
-    markers = {"torch": "o", "fused": "s"}
-    colors = {"torch": "C0", "fused": "C2"}
+    markers = {"torch": "o", "fused": "s", "torch+sparse": "v", "fused+sparse": "D"}
+    colors = {"torch": "C0", "fused": "C2", "torch+sparse": "C1", "fused+sparse": "C3"}
     values = [r["ratio"] for r in layer["ratios"] if r["mode"] == mode]
     for ax, d in zip(axes[0], dims):
-        for kernel in spec["kernels"]:
+        for kernel in _layer_kernels(layer, mode):
             for dtype in spec["dtypes"]:
                 pts = sorted(
                     (r["tokens"], r["ratio"])

@@ -65,8 +65,12 @@ test-versions: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.me
 			|| exit 1; \
 	done
 
+# Every dtype: layer level (float32, bfloat16, int8) and model level in float32 (benchmarks/results/), the model level
+# with both models in bfloat16 (benchmarks/results/model-bf16/), and int8 decode (benchmarks/results/quant/).
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run --only model --model-dtype bf16 --out-dir benchmarks/results/model-bf16
+	$(PY) -m benchmarks.quant_bench
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) build *.egg-info

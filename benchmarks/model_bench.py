@@ -86,6 +86,7 @@ class ModelSpec:
     memory_headroom: float = 0.85  # attempt a workload only if its estimate fits in this fraction of free memory
     table_optimizer: str = "adamw"  # MemoryFormer tables in training: adamw or a rule of training.TABLE_OPTIMIZERS
     table_dtype: str | None = None  # MemoryFormer table storage: None (float32) or "bfloat16"
+    dtype: str = "fp32"  # both models' dtype: "fp32", or "bf16" (every parameter cast to bfloat16, both models)
     gradient_checkpointing: bool = False  # training: recompute each decoder layer in the backward (both models)
     loss_chunk_tokens: int | None = None  # MemoryFormer's config.loss_chunk_tokens (None: the config's default)
 
@@ -104,12 +105,13 @@ TWIN_VARIANTS = {FEW_ROW: ("decode", " [few-row linears]"), CHUNKED_LOSS: ("trai
 
 
 def contestant_name(preset: str, kind: str, kernel: str | None, table_optimizer: str = "adamw",
-                    table_dtype: str | None = None) -> str:
+                    table_dtype: str | None = None, dtype: str = "fp32") -> str:
+    whole = "" if dtype == "fp32" else f" {dtype}"
     if kind == "twin":
-        return TWINS[preset][0] + (TWIN_VARIANTS[kernel][1] if kernel in TWIN_VARIANTS else "")
+        return TWINS[preset][0] + whole + (TWIN_VARIANTS[kernel][1] if kernel in TWIN_VARIANTS else "")
     tables = "" if table_optimizer == "adamw" else f", tables {table_optimizer}"
     tables += f", {table_dtype} tables" if table_dtype else ""
-    return f"{mf_label(preset)} [{kernel}{tables}]"
+    return f"{mf_label(preset)}{whole} [{kernel}{tables}]"
 
 
 def model_config(kind: str, preset: str, spec: ModelSpec):
@@ -138,6 +140,9 @@ def model_config(kind: str, preset: str, spec: ModelSpec):
     )
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def build_model(kind: str, preset: str, spec: ModelSpec, device=None):
     from transformers import GPTNeoXForCausalLM
 
@@ -146,10 +151,11 @@ def build_model(kind: str, preset: str, spec: ModelSpec, device=None):
     config = model_config(kind, preset, spec)
     cls = MemoryFormerForCausalLM if kind == "mf" else GPTNeoXForCausalLM
     torch.manual_seed(spec.seed)
-    if device is None:
-        return cls(config)
-    with torch.device(device):
-        return cls(config)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = cls(config)
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"ModelSpec.dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}.")
+    return model.to(DTYPES[spec.dtype])
 
 
 def model_info(kind: str, preset: str, spec: ModelSpec) -> dict:
@@ -159,7 +165,7 @@ def model_info(kind: str, preset: str, spec: ModelSpec) -> dict:
     tables = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".tables"))
     c = model.config
     return {
-        "name": mf_label(preset) if kind == "mf" else TWINS[preset][0],
+        "name": (mf_label(preset) if kind == "mf" else TWINS[preset][0]) + ("" if spec.dtype == "fp32" else f" {spec.dtype}"),
         "params": params,
         "table_params": tables,
         "hidden_size": c.hidden_size,
@@ -401,7 +407,7 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
         row = {
             "preset": preset,
             "workload": workload,
-            "contestant": contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype),
+            "contestant": contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype, spec.dtype),
             "model": kind,
             "kernel": kernel,
             "status": status,
@@ -464,7 +470,7 @@ def _speed(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, bar, s
                 optimizer = optimizers[kind]
             fn, tokens = workload_fn(model, workload, spec, optimizer)
             contestants.append(
-                Contestant(contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype), fn,
+                Contestant(contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype, spec.dtype), fn,
                            _context(kernel, workload, model), kernel=kernel)
             )
             meta.append((kind, kernel, tokens))
@@ -491,7 +497,7 @@ def _peak_memory(preset: str, infos: dict, kernels: list[str], spec: ModelSpec, 
     jobs = [("mf", k) for k in kernels] + [("twin", None)]
     for workload in [w for w in spec.workloads if w in (spec.rss_workloads or spec.workloads)]:
         for kind, kernel in jobs + ([("twin", CHUNKED_LOSS)] if workload == "train" else []):
-            name = contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype)
+            name = contestant_name(preset, kind, kernel, spec.table_optimizer, spec.table_dtype, spec.dtype)
             bar.set_postfix_str(f"{preset} peak RSS {workload} {name}")
             row = {"preset": preset, "workload": workload, "contestant": name, "model": kind, "kernel": kernel}
             available = available_memory_bytes()

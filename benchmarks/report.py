@@ -239,7 +239,8 @@ def _model_markdown(model: dict) -> list[str]:
         "",
         f"Measured {_meta_line(model['meta'])}.",
         "",
-        f"Random init, float32, SDPA attention for both. prefill: one forward of 1 x {spec['prefill_tokens']} "
+        f"Random init, {'bfloat16 (every parameter of both models)' if spec.get('dtype') == 'bf16' else 'float32'}, "
+        f"SDPA attention for both. prefill: one forward of 1 x {spec['prefill_tokens']} "
         f"tokens, inference_mode, use_cache=True, logits_to_keep=1 (both). decode: `generate` of "
         f"{spec['new_tokens']} new tokens from a {spec['prompt_tokens']}-token prompt, greedy, KV cache, "
         f"min_new_tokens={spec['new_tokens']}; tokens/s counts new tokens over the whole call (prompt prefill "

@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="training: recompute each decoder layer in the backward pass (both models)")
     g.add_argument("--table-dtype", choices=("bfloat16",),
                    help="store the MemoryFormer's tables in bfloat16 (default float32; see memoryformer train)")
+    g.add_argument("--model-dtype", choices=("fp32", "bf16"),
+                   help="both models' dtype (default fp32; bf16: every parameter of both models in bfloat16)")
     g.add_argument("--loss-chunk-tokens", type=int,
                    help="MemoryFormer's config.loss_chunk_tokens in training (default: the config's; 0 = full logits)")
     return p.parse_args(argv)
@@ -133,6 +135,7 @@ def model_spec(args):
         quiet_wait_s=args.quiet_wait_s,
         table_optimizer=args.table_optimizer,
         table_dtype=args.table_dtype,
+        dtype=args.model_dtype,
         gradient_checkpointing=args.gradient_checkpointing,
         loss_chunk_tokens=args.loss_chunk_tokens,
     )

@@ -968,7 +968,9 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
 // table sorted by row (std::sort of N 64-bit keys), then each distinct row's gradient summed in float32 registers
 // over its tokens, in token order, and each lookup's score gradient <grad_y[n], tables[row]>. Output rows ascending
 // (table k's rows come before table k + 1's), so the sparse gradient is coalesced as made.
-// Pass 1 (hits_sorted): the sorted keys and the number of distinct rows of each table; pass 2 fills the outputs.
+// Pass 1: the sorted keys and the number of distinct rows of each table; pass 2 fills the outputs. From half a lookup
+// per row (2N >= rows per table) most rows are hit: the dense bucketed backward runs instead and its rows hit are
+// copied out.
 template <typename T>
 void backward_rows_kernel(const float* gy, const int64_t* rows, const float* scores, const T* tables,
                           const uint64_t* keys, const int64_t* start, int64_t* out_rows, T* values,
@@ -1396,9 +1398,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_backward_rows_op(const at:
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
               "memoryformer_cpu.lookup_backward_rows: grad_out must be [N, D] = [", N, ", ", D, "], got ",
               grad_out.sizes());
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t P = rows_per_table, R = K * P;
+  if (2 * N >= P) {
+    // Half a lookup per row or more: most rows are hit, and the per-row pass below reads grad_y rows at random (1.2 s
+    // instead of 0.2 s at 8192 tokens, d = 1024). The dense bucketed backward, then its rows hit.
+    at::Tensor gscores, gtables;
+    std::tie(gscores, gtables) = lookup_backward_op(grad_out, rows, scores, tables, P, true, need_scores);
+    std::vector<uint8_t> hit(size_t(R), 0);
+    for (int64_t e = 0; e < N * K; ++e) hit[size_t(r[e])] = 1;
+    int64_t U = 0;
+    for (int64_t i = 0; i < R; ++i) U += hit[size_t(i)];
+    auto out_rows = at::empty({U}, rows.options());
+    int64_t* o = out_rows.data_ptr<int64_t>();
+    for (int64_t i = 0, u = 0; i < R; ++i)
+      if (hit[size_t(i)]) o[u++] = i;
+    auto values = pooled_empty({U, D}, tables.options(), /*transient=*/true, /*pow2=*/true);
+    at::index_select_out(values, gtables, 0, out_rows);
+    return {gscores, out_rows, values};
+  }
   auto gy = grad_out.to(at::kFloat).contiguous();
   auto s = scores.to(at::kFloat).contiguous();
-  const int64_t* r = rows.data_ptr<int64_t>();
   // Pass 1: per table, keys (row << 32 | token) sorted, and the count of distinct rows.
   std::vector<uint64_t> keys(size_t(N * K));
   std::vector<int64_t> start(size_t(K + 1), 0);

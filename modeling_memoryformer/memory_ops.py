@@ -31,6 +31,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 HASH_SCORES = ("paper", "l1")
@@ -229,6 +230,21 @@ def memory_lookup_hashed(
     return _gather_accumulate(rows, scores, tables, bias, output_dtype(scores.dtype, tables.dtype), sparse)
 
 
+# The ops' CPU kernels, called below their Python autograd registration: about 8 us less per call, most of a lookup
+# of one token. For calls that record no gradient, and inside an autograd node of our own.
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _fused_call(op, *args):
+    """`op(*args)` (a fused op on CPU tensors), straight to its CPU kernel when no gradient is recorded, nothing is
+    being traced or profiled (the profiler names ops at the dispatcher's entry) and no Python dispatch mode
+    (FakeTensorMode, FlopCounterMode, ...) would see the call."""
+    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
+            or _get_current_dispatch_mode() is not None):
+        return op(*args)
+    return op.default.redispatch(_CPU_KEYS, *args)
+
+
 def _gather_accumulate(
     rows: torch.Tensor, scores: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
     sparse: bool = False,
@@ -251,7 +267,8 @@ def _gather_accumulate(
         return y.reshape(*lead, tables.shape[-1])
     if _use_fused(tables):
         num_tables = rows.shape[-1]
-        y = torch.ops.memoryformer_cpu.lookup(
+        y = _fused_call(
+            torch.ops.memoryformer_cpu.lookup,
             rows.reshape(-1, num_tables).contiguous(),
             scores.reshape(-1, num_tables),
             tables.contiguous(),
@@ -451,11 +468,6 @@ class _SparseGather(torch.autograd.Function):
         return None, grad_scores if need_scores else None, grad_tables
 
 
-# The ops' CPU kernels, called below their Python autograd registration (about 8 us less per call: the node that
-# calls them is the autograd node).
-_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-
-
 class _SparseMemoryLookup(torch.autograd.Function):
     """The whole Memory Layer (hash, score, gather, bias) with a sparse table gradient, on the fused CPU kernel, as one
     autograd node: x [N, K * tau] -> [N, D] in the tables' dtype. For a few tokens the layer's time is mostly
@@ -464,11 +476,11 @@ class _SparseMemoryLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tables, bias, hash_bits, l1, temperature):
         ops = torch.ops.memoryformer_cpu
-        rows, scores = ops.hash.default.redispatch(_CPU_KEYS, x, hash_bits, l1, temperature)
+        rows, scores = _fused_call(ops.hash, x, hash_bits, l1, temperature)
         per_table = tables.shape[0] // rows.shape[1]
         ctx.save_for_backward(x, rows, scores, tables)
         ctx.args = (hash_bits, l1, temperature)
-        return ops.lookup.default.redispatch(_CPU_KEYS, rows, scores, tables, bias, per_table)
+        return _fused_call(ops.lookup, rows, scores, tables, bias, per_table)
 
     @staticmethod
     def backward(ctx, grad):
@@ -534,7 +546,8 @@ def hashed_rows(x: torch.Tensor, hash_bits: int, score: str = "paper", temperatu
     [..., K], [..., K]). On the CPU with the fused kernel in use (`fused`, default: whether it is), hashing and
     scoring are one C++ pass; otherwise `hash_codes` and `hash_scores`."""
     if x.device.type == "cpu" and (_use_fused(x) if fused is None else fused):
-        rows, scores = torch.ops.memoryformer_cpu.hash(
+        rows, scores = _fused_call(
+            torch.ops.memoryformer_cpu.hash,
             x.reshape(-1, x.shape[-1]).contiguous(), hash_bits, score == "l1", float(temperature)
         )
         return rows.view(*x.shape[:-1], rows.shape[-1]), scores.view(*x.shape[:-1], scores.shape[-1])
@@ -546,7 +559,9 @@ _LINEAR_ROWS_MAX = 4  # kLinearMaxRows of the C++ kernel (its op linear_rows_max
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; the fused kernel's few-row pass where it applies: at most `linear_rows_max()`
-    rows (tokens) of float32 input on the CPU with no gradient to record, i.e. the LM head while decoding.
+    rows (tokens) on the CPU, x, weight and bias all float32 or all bfloat16 (a bfloat16 weight is widened in
+    registers and summed in float32, the output rounded once, as F.linear), with no gradient to record, i.e. the LM
+    head while decoding.
 
     That pass reads each weight row once for all rows, over threads and with enough independent FMA chains to stream
     the weight at memory speed; BLAS's GEMV (what F.linear calls for one row) ran at about a third of that speed on
@@ -555,16 +570,16 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows = x.numel() // max(1, x.shape[-1])
     records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
+        x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
         and 1 <= rows <= _LINEAR_ROWS_MAX
         and x.shape[-1] == weight.shape[-1]
         and weight.is_contiguous()
         and not records_grad
         and _use_fused(weight)
     ):
-        y = torch.ops.memoryformer_cpu.linear_rows(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+        y = _fused_call(torch.ops.memoryformer_cpu.linear_rows, x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

@@ -1120,32 +1120,33 @@ int64_t release_gradient_pool() {
 // row ran at the slower speed on the AMD EPYC this was measured on.)
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
-template <int64_t M>
-void linear_rows_kernel(const float* x, const float* w, const float* b, float* y, int64_t D, int64_t V) {
+// T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x, b and y float32.
+template <int64_t M, typename T>
+void linear_rows_kernel(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V) {
   constexpr int64_t L = kLanes;
   constexpr int64_t C = M == 1 ? 4 : 2;   // chains per row of x: 4, 4, 6 and 8 in all for M = 1 .. 4
   const int64_t Dc = D - D % (C * L), Dv = D - D % L;
   const auto add = [](fVec& p, fVec& q) { return p + q; };
   at::parallel_for(0, V, 1024, [=](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
-      const float* wv = w + v * D;
+      const T* wv = w + v * D;
       fVec a[M][C];
       for (int64_t m = 0; m < M; ++m)
         for (int64_t c = 0; c < C; ++c) a[m][c] = fVec(0.f);
       for (int64_t j = 0; j < Dc; j += C * L) {
         for (int64_t c = 0; c < C; ++c) {
-          const fVec u = fVec::loadu(wv + j + c * L);
+          const fVec u = load_floats(wv + j + c * L);
           for (int64_t m = 0; m < M; ++m) a[m][c] = at::vec::fmadd(fVec::loadu(x + m * D + j + c * L), u, a[m][c]);
         }
       }
       for (int64_t j = Dc; j < Dv; j += L) {
-        const fVec u = fVec::loadu(wv + j);
+        const fVec u = load_floats(wv + j);
         for (int64_t m = 0; m < M; ++m) a[m][0] = at::vec::fmadd(fVec::loadu(x + m * D + j), u, a[m][0]);
       }
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t c = 1; c < C; ++c) a[m][0] = a[m][0] + a[m][c];
         float sum = at::vec::vec_reduce_all<float>(add, a[m][0]);
-        for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * wv[j];
+        for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(wv[j]);
         y[m * V + v] = b ? sum + b[v] : sum;
       }
     }
@@ -1497,13 +1498,15 @@ at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, cons
   return out;
 }
 
-// y = x W^T (+ b) for float32 x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V] (see linear_rows_kernel).
+// y = x W^T (+ b) for x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V], all float32 or all bfloat16 (see
+// linear_rows_kernel): sums in float32, y in their dtype (bfloat16: rounded once, as F.linear).
 at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "linear_rows";
   check_cpu_contiguous(x, op, "x");
   check_cpu_contiguous(weight, op, "weight");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "memoryformer_cpu.linear_rows: x "
-              "and weight must be float32, got ", x.scalar_type(), " and ", weight.scalar_type());
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype, "memoryformer_cpu."
+              "linear_rows: x and weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ", dtype);
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kLinearMaxRows, "memoryformer_cpu.linear_rows: x must "
               "be [M, D] with 1 <= M <= ", kLinearMaxRows, ", got shape ", x.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "memoryformer_cpu.linear_rows: weight must be "
@@ -1512,23 +1515,27 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     check_cpu_contiguous(*bias, op, "bias");
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == V,
-                "memoryformer_cpu.linear_rows: bias must be float32 [V] = [", V, "], got ", bias->scalar_type(),
-                " of shape ", bias->sizes());
-    b = *bias;
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == V,
+                "memoryformer_cpu.linear_rows: bias must be ", dtype, " [V] = [", V, "] (the weight's dtype), got ",
+                bias->scalar_type(), " of shape ", bias->sizes());
+    b = bias->to(at::kFloat);
   }
-  auto y = at::empty({M, V}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  auto xf = x.to(at::kFloat);
+  auto y = at::empty({M, V}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V); break;
-    case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V); break;
-    case 3: linear_rows_kernel<3>(xp, wp, bp, yp, D, V); break;
-    default: linear_rows_kernel<4>(xp, wp, bp, yp, D, V); break;
-  }
-  return y;
+  auto run = [&](auto* wp) {
+    switch (M) {
+      case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V); break;
+      case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V); break;
+      case 3: linear_rows_kernel<3>(xp, wp, bp, yp, D, V); break;
+      default: linear_rows_kernel<4>(xp, wp, bp, yp, D, V); break;
+    }
+  };
+  if (dtype == at::kFloat) run(weight.data_ptr<float>());
+  else run(weight.data_ptr<c10::BFloat16>());
+  return dtype == at::kFloat ? y : y.to(dtype);
 }
 
 // ------------------------------------------------------------------------------------------------ introspection

@@ -516,10 +516,14 @@ def group_linear_rows(ops, c: Calls) -> None:
     c.add("weight of another width", "raise", lambda: ops.linear_rows(x, torch.randn(37, 20), None))
     c.add("bias of another length", "raise", lambda: ops.linear_rows(x, w, torch.randn(36)))
     c.add("bias 2-D", "raise", lambda: ops.linear_rows(x, w, b[None]))
-    for dtype in (torch.float64, torch.bfloat16, torch.int64):
+    for dtype in (torch.float64, torch.bfloat16, torch.int64):  # bfloat16 beside float32: mixed dtypes
         c.add(f"x {dtype}", "raise", lambda d=dtype: ops.linear_rows(x.to(d), w, None))
         c.add(f"weight {dtype}", "raise", lambda d=dtype: ops.linear_rows(x, w.to(d), None))
         c.add(f"bias {dtype}", "raise", lambda d=dtype: ops.linear_rows(x, w, b.to(d)))
+    bf = torch.bfloat16
+    c.add("all bfloat16", "ok", lambda: ops.linear_rows(x.to(bf), w.to(bf), b.to(bf)),
+          lambda out: None if out.dtype == bf else f"dtype {out.dtype}")
+    c.add("bfloat16 with a float32 bias", "raise", lambda: ops.linear_rows(x.to(bf), w.to(bf), b))
     c.add("weight non-contiguous", "raise", lambda: ops.linear_rows(x, torch.randn(21, 37).t(), None))
     c.add("x non-contiguous", "raise", lambda: ops.linear_rows(torch.randn(21, 2).t(), w, None))
     c.add("weight with 0 rows", "ok", lambda: ops.linear_rows(x, w[:0], None),

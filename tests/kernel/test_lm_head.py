@@ -50,6 +50,20 @@ def test_few_rows_take_the_fused_pass_and_equal_the_product(shape, with_bias):
     torch.testing.assert_close(y.double(), oracle(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bfloat16_heads_take_the_fused_pass_and_equal_the_product_of_the_bf16_values(rows):
+    """bfloat16 x, weight and bias: the weight widened in registers, float32 sums, one rounding to bfloat16."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 200, generator=g).bfloat16()
+    w = torch.randn(1001, 200, generator=g).bfloat16()  # a width that leaves a tail below one vector
+    b = torch.randn(1001, generator=g).bfloat16()
+    y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, w, b))
+    assert fused and y.dtype == torch.bfloat16
+    expected = oracle(x, w, b)
+    scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+    assert ((y.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-6 * scale).all()  # one bf16 rounding
+
+
 def test_other_inputs_take_f_linear_with_its_exact_result():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 64, generator=g)

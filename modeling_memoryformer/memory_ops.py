@@ -449,7 +449,8 @@ class _SparseGather(torch.autograd.Function):
     def forward(ctx, rows, scores, tables):
         ctx.save_for_backward(rows, scores, tables)
         per_table = tables.shape[0] // rows.shape[1]
-        return torch.ops.memoryformer_cpu.lookup(rows.contiguous(), scores, tables.contiguous(), None, per_table)
+        return _fused_call(torch.ops.memoryformer_cpu.lookup, rows.contiguous(), scores, tables.contiguous(), None,
+                           per_table)
 
     @staticmethod
     def backward(ctx, grad):
@@ -488,8 +489,8 @@ class _SparseMemoryLookup(torch.autograd.Function):
         x, rows, scores, tables = ctx.saved_tensors
         need_x, need_tables, need_bias = ctx.needs_input_grad[:3]
         grad = grad.contiguous()
-        grad_scores, hit, values = ops.lookup_backward_rows(grad, rows, scores, tables, tables.shape[0] // rows.shape[1],
-                                                            need_x)
+        per_table = tables.shape[0] // rows.shape[1]
+        grad_scores, hit, values = ops.lookup_backward_rows(grad, rows, scores, tables, per_table, need_x)
         grad_x = ops.hash_backward(grad_scores, x, *ctx.args) if need_x else None
         grad_tables = None
         if need_tables:

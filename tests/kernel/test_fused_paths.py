@@ -394,3 +394,22 @@ def test_hash_backward_gradients_from_the_pool_never_alias_and_few_idle_ones_are
         held[i] = None  # freed in order: the last 8 stay idle in the pool
     assert memory_ops.release_gradient_memory() == sum(sizes[-8:])
     assert memory_ops.release_gradient_memory() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("score", ["paper", "l1"])
+def test_16_bit_hash_is_the_float32_hash_of_the_same_values(dtype, score):
+    """A 16-bit model hashes in float32: the codes come from the same signs and the scores are the float32 scores of
+    the widened values, bit for bit; the input gradient is the float32 one rounded once to the input's dtype."""
+    g = torch.Generator().manual_seed(12)
+    for n, in_features, hash_bits in [(1, 16, 4), (67, 48, 8), (2049, 512, 8), (9, 640, 10)]:
+        x = (torch.randn(n, in_features, generator=g) * 2).to(dtype)
+        wide = x.float()
+        rows, scores = ops().hash(x, hash_bits, score == "l1", 1.0)
+        rows32, scores32 = ops().hash(wide, hash_bits, score == "l1", 1.0)
+        assert scores.dtype == torch.float32
+        assert torch.equal(rows, rows32) and torch.equal(scores, scores32)
+        grad_scores = torch.randn(scores.shape, generator=g)
+        grad_x = ops().hash_backward(grad_scores, x, hash_bits, score == "l1", 1.0)
+        grad_x32 = ops().hash_backward(grad_scores, wide, hash_bits, score == "l1", 1.0)
+        assert grad_x.dtype == dtype and torch.equal(grad_x, grad_x32.to(dtype))

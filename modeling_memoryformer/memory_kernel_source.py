@@ -44,10 +44,10 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 // Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the
 // rows 16 lookups ahead. Beyond that, for float32, bfloat16 and float16 tables with >= 2 lookups per row, the packed
 // pass: per 32-column block and group of tables, the group's rows are first copied into a contiguous buffer of a
-// quarter of L2 (a pure stream from L3 / DRAM; 16-bit rows stay 16-bit there, so a group holds twice the rows), then
-// every token of the chunk adds its lookups of the group from it, several tokens at a time in registers, widening
-// 16-bit values to float32 as they are loaded (the table is read once per chunk of tokens instead of once per
-// lookup). For widths that are not whole 32-column blocks and tables beyond 3/2 of the LLC with >= 2 lookups per row,
+// quarter of L2 (a pure stream from L3 / DRAM; 16-bit rows stay 16-bit there, and span two blocks where the registers
+// allow, see packed_span), then every token of the chunk adds its lookups of the group from it, several tokens at a
+// time in registers, widening 16-bit values to float32 as they are loaded (bfloat16 by their bit pattern; the table
+// is read once per chunk of tokens instead of once per lookup). For widths that are not whole 32-column blocks and tables beyond 3/2 of the LLC with >= 2 lookups per row,
 // the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column blocks
 // of a chunk of tokens held in a compact buffer of half of L2, and the table is streamed once, each hit row loaded
 // once and applied to all its tokens. Otherwise PyTorch's embedding_bag (FBGEMM's JIT kernel), called below autograd.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import math
 import os
@@ -218,6 +219,33 @@ def wait_for_quiet(max_wait_s: float, probe_s: float = 0.5, threshold: float = N
 def other_cores_since(before) -> float | None:
     wall, other = other_cpu_since(before)
     return round(other / wall, 3) if wall > 0 else None
+
+
+# The other guests of a shared host (a VM's neighbours) do not show in this guest's /proc/stat, but their memory
+# traffic slows what streams tables from L3 and DRAM (the Memory Layer) far more than what computes from registers
+# (nn.Linear): on a 2-vCPU AMD EPYC guest the same bf16 lookup took 1.9x as long at one hour as at another while
+# nn.Linear took 1.3x, with 0.01 cores of other processes in the guest. A short stream over a buffer four times the
+# size of a 32 MB L3, timed next to every cell, records that.
+STREAM_PROBE_MB = 128
+NOISY_STREAM = 0.8  # a cell whose probe streamed below this fraction of the section's best is marked
+
+
+@functools.lru_cache(maxsize=1)
+def _stream_buffer() -> torch.Tensor:
+    import torch
+
+    return torch.ones(STREAM_PROBE_MB * (1 << 20) // 4, dtype=torch.float32)
+
+
+def memory_stream_gbps(repeats: int = 3) -> float:
+    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`."""
+    buffer = _stream_buffer()
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return round(buffer.numel() * buffer.element_size() / best / 1e9, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .common import (
     cpu_snapshot,
     environment,
     make_progress,
+    memory_stream_gbps,
     other_cores_since,
     round_robin,
     summary,
@@ -180,6 +181,7 @@ def run(spec: LayerSpec, log=print) -> dict:
                     bar.set_postfix_str(f"{mode} {dtype_name} d={d} N={n} (noisy, retry {attempt})")
                     time.sleep(spec.noisy_wait_s)
                 waited += wait_for_quiet(spec.quiet_wait_s)
+                stream = memory_stream_gbps()
                 contestants = [make(linear, None)] + [make(memory, k) for k in kernels]
                 if sparse:
                     contestants += [make(sparse_twin(memory), k + SPARSE) for k in kernels]
@@ -187,10 +189,10 @@ def run(spec: LayerSpec, log=print) -> dict:
                 wall = sum(c.timed_wall_s for c in contestants)
                 other = round(sum(c.other_cpu_s for c in contestants) / wall, 3) if wall > 0 else None
                 if best is None or (other is not None and best[1] is not None and other < best[1]):
-                    best = (contestants, other, attempt + 1)
+                    best = (contestants, other, attempt + 1, stream)
                 if other is None or other <= NOISY_CORES:
                     break
-            contestants, other, attempts = best
+            contestants, other, attempts, stream = best
 
             check = _check_against_torch(memory, x, kernels) if mode == "forward" else {}
             cell = {"mode": mode, "dtype": dtype_name, "d": d, "tokens": n}
@@ -201,6 +203,7 @@ def run(spec: LayerSpec, log=print) -> dict:
                     row["status"] = f"partial: {c.error}"
                 row["ms"] = summary(c.samples, 1e3)
                 row["other_cpu_cores"] = other
+                row["host_stream_gbps"] = stream  # memory stream just before the cell (see common.memory_stream_gbps)
                 row["attempts"] = attempts
                 if c.kernel in check:
                     row["max_abs_diff_vs_torch"] = check[c.kernel]

@@ -89,6 +89,28 @@ def _contention(meta: dict, threshold: float) -> str:
     )
 
 
+def _stream_floor(rows: list[dict]) -> float | None:
+    """The memory-stream probe below which a layer cell is marked ‡ (NOISY_STREAM of the section's best)."""
+    from .common import NOISY_STREAM
+
+    streams = [r["host_stream_gbps"] for r in rows if r.get("host_stream_gbps")]
+    return NOISY_STREAM * max(streams) if streams else None
+
+
+def _stream_note(rows: list[dict]) -> str:
+    from .common import NOISY_STREAM, STREAM_PROBE_MB
+
+    streams = [r["host_stream_gbps"] for r in rows if r.get("host_stream_gbps")]
+    if not streams:
+        return ""
+    return (
+        f" Memory stream just before each cell (`torch.sum` over {STREAM_PROBE_MB} MB, all threads): "
+        f"{min(streams):.1f}-{max(streams):.1f} GB/s; cells marked ‡ ran below {NOISY_STREAM:.0%} of the best, "
+        "i.e. while something outside this process (on a VM, the host's other guests, which /proc/stat does not "
+        "show) loaded memory: the Memory Layer, which streams its tables, slows more than nn.Linear there."
+    )
+
+
 def _meta_line(meta: dict) -> str:
     dirty = " + uncommitted changes in the package" if meta.get("package_dirty") else ""
     return (
@@ -153,6 +175,7 @@ def layer_tables(layer: dict) -> dict[tuple[str, str], list[str]]:
     time_of = {(r["mode"], r["dtype"], r["d"], r["tokens"], r["contestant"]): r for r in rows}
     ratio_of = {(r["mode"], r["dtype"], r["d"], r["tokens"], r["kernel"]): r["ratio"] for r in ratios}
     threshold = layer["spec"].get("noisy_cores_threshold", 0.25)
+    floor = _stream_floor(rows)
     tables = {}
     for mode in layer["spec"]["modes"]:
         kernels = _layer_kernels(layer, mode)
@@ -169,6 +192,8 @@ def layer_tables(layer: dict) -> dict[tuple[str, str], list[str]]:
                     if dense is None:
                         continue
                     mark = " †" if _noisy(dense, threshold) else ""
+                    if floor is not None and (dense.get("host_stream_gbps") or floor) < floor:
+                        mark += " ‡"
                     line = f"| {d} | {n}{mark} | {_cell_ms(dense)} |"
                     for k in kernels:
                         mem = time_of.get((mode, dtype, d, n, f"MemoryLayer[{k}]"))
@@ -207,7 +232,8 @@ def _layer_markdown(layer: dict) -> list[str]:
         "and take a bf16 input. "
         f"Median of {spec['repeats']} repeats after {max(1, spec['warmup'])} warm-up calls; one timed sample lasts "
         f">= {spec['min_sample_s'] * 1e3:.0f} ms. **Ratio = Linear time / MemoryLayer time: > 1 means the "
-        "MemoryLayer is faster.**" + _contention(layer["meta"], spec.get("noisy_cores_threshold", 0.25)),
+        "MemoryLayer is faster.**" + _contention(layer["meta"], spec.get("noisy_cores_threshold", 0.25))
+        + _stream_note(layer["rows"]),
         "",
     ]
     for (mode, dtype), lines in layer_tables(layer).items():

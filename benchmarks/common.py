@@ -231,7 +231,7 @@ NOISY_STREAM = 0.8  # a cell whose probe streamed below this fraction of the sec
 
 
 @functools.lru_cache(maxsize=1)
-def _stream_buffer() -> torch.Tensor:
+def _stream_buffer():  # -> torch.Tensor (torch imported here: this module is imported before torch is needed)
     import torch
 
     return torch.ones(STREAM_PROBE_MB * (1 << 20) // 4, dtype=torch.float32)

@@ -40,18 +40,18 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 // strategies follow the running machine's caches (sysconf, then sysfs, then a fallback) and the thread count.
 // The only intrinsics left are the non-temporal store and its fence (SSE2 / AVX / AVX-512 forms of one plain store).
 //
-// Design: the row gather is bounded by cache/TLB misses on tables far larger than L2, not by FLOPs.
-// Forward: up to 64 tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the
-// rows 16 lookups ahead. Beyond that, for float32, bfloat16 and float16 tables with >= 2 lookups per row, the packed
-// pass: per 32-column block and group of tables, the group's rows are first copied into a contiguous buffer of a
-// quarter of L2 (a pure stream from L3 / DRAM; 16-bit rows stay 16-bit there, and span two blocks where the registers
-// allow, see packed_span), then every token of the chunk adds its lookups of the group from it, several tokens at a
-// time in registers, widening 16-bit values to float32 as they are loaded (bfloat16 by their bit pattern; the table
-// is read once per chunk of tokens instead of once per lookup). For widths that are not whole 32-column blocks and tables beyond 3/2 of the LLC with >= 2 lookups per row,
-// the bucketed pass: lookups are grouped by row (a counting sort per table), the output is built in 64-column blocks
-// of a chunk of tokens held in a compact buffer of half of L2, and the table is streamed once, each hit row loaded
-// once and applied to all its tokens. Otherwise PyTorch's embedding_bag (FBGEMM's JIT kernel), called below autograd.
-// Packed and bucketed need as many column blocks as threads.
+// Design: the row gather is bounded by cache/TLB misses on tables far larger than L2, not by FLOPs. Forward: up to 64
+// tokens, a token-major kernel that sums each token's K row spans in registers while prefetching the rows 16 lookups
+// ahead. Beyond that, for float32, bfloat16 and float16 tables with >= 2 lookups per row, the packed pass: per
+// 32-column block and group of tables, the group's rows are first copied into a contiguous buffer of a quarter of L2 (a
+// pure stream from L3 / DRAM; 16-bit rows stay 16-bit there, and span two blocks where the registers allow, see
+// packed_span), then every token of the chunk adds its lookups of the group from it, several tokens at a time in
+// registers, widening 16-bit values to float32 as they are loaded (bfloat16 by their bit pattern; the table is read
+// once per chunk of tokens instead of once per lookup). For widths that are not whole 32-column blocks and tables
+// beyond 3/2 of the LLC with >= 2 lookups per row, the bucketed pass: lookups are grouped by row (a counting sort per
+// table), the output is built in 64-column blocks of a chunk of tokens held in a compact buffer of half of L2, and the
+// table is streamed once, each hit row loaded once and applied to all its tokens. Otherwise PyTorch's embedding_bag
+// (FBGEMM's JIT kernel), called below autograd. Packed and bucketed need as many column blocks as threads.
 // Backward: always bucketed, in one pass over the table rows per column block: the block of grad_y sits in L2, each
 // row's table gradient is accumulated in registers and written once by one thread (no atomics, no read-modify-write
 // of the large gradient; rows nobody hit are written as zeros), and the score gradients are the inner products of the
@@ -801,10 +801,11 @@ void lookup_backward_bucketed(const GY* gy, const int64_t* rows,
 // 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
 //    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
 //    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
-// 2. the chunk's tokens add their lookups of the group from the buffer, several tokens at a time (tokens_for) with their sums in
-//    registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output after the
-//    last group, by non-temporal stores (whole 128-byte spans: no read for ownership of the output's lines, which the
-//    table stream would evict from the caches anyway; 5-7% of the lookup at d=512, N=2048 on the AMD EPYC).
+// 2. the chunk's tokens add their lookups of the group from the buffer, several tokens at a time (tokens_for) with
+//    their sums in registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output
+//    after the last group, by non-temporal stores (whole 128-byte spans: no read for ownership of the output's
+//    lines, which the table stream would evict from the caches anyway; 5-7% of the lookup at d=512, N=2048 on the
+//    AMD EPYC).
 // The phases are not interleaved: interleaved, the stream's misses held the miss buffers that the gathers' L2 hits
 // need, and the kernel ran at the sum of both phases' times or worse. The table is read once per chunk instead of
 // once per lookup. The lookups are regrouped first, per group of tables (an int32 offset into the buffer and the
@@ -900,8 +901,8 @@ int64_t packed_span(int64_t element_bytes, int64_t nblk) {
 }
 
 // T: the tables' dtype, which the packed rows keep (bfloat16 / float16 rows take half the bytes of float32 ones, so a
-// group holds twice the rows, and are widened to float32 in registers as they are added); sums in float32; the output
-// in T (bias in T). W: column blocks per packed row (packed_span).
+// group holds twice the rows of one block, or as many rows of two blocks, and are widened to float32 in registers as
+// they are added); sums in float32; the output in T (bias in T). W: column blocks per packed row (packed_span).
 template <typename T, int64_t W>
 void lookup_packed_span(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
                         int64_t N, int64_t K, int64_t P, int64_t D) {

@@ -89,18 +89,23 @@ def _contention(meta: dict, threshold: float) -> str:
     )
 
 
+def _streams(rows: list[dict]) -> list[float]:
+    """The memory-stream probes recorded with the layer cells (none in results of before the probe)."""
+    return [r["host_stream_gbps"] for r in rows if r.get("host_stream_gbps")]
+
+
 def _stream_floor(rows: list[dict]) -> float | None:
     """The memory-stream probe below which a layer cell is marked ‡ (NOISY_STREAM of the section's best)."""
     from .common import NOISY_STREAM
 
-    streams = [r["host_stream_gbps"] for r in rows if r.get("host_stream_gbps")]
+    streams = _streams(rows)
     return NOISY_STREAM * max(streams) if streams else None
 
 
 def _stream_note(rows: list[dict]) -> str:
     from .common import NOISY_STREAM, STREAM_PROBE_MB
 
-    streams = [r["host_stream_gbps"] for r in rows if r.get("host_stream_gbps")]
+    streams = _streams(rows)
     if not streams:
         return ""
     return (

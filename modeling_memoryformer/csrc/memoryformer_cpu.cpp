@@ -664,18 +664,11 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
     }
     if (kScores && r + kRowAhead < R) prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
     alignas(64) A tv[W ? W : kBlock], acc[W ? W : kBlock];
-    if constexpr (std::is_same<A, float>::value) {   // float32 sums: vector widening copies
-      // (float32 rows of a whole block are read in place below)
-      if (kScores && !(std::is_same<T, float>::value && W == kBlock)) load_span(tv, tables + r * D + c0, ww);
-      if (kTables) {
-        if (first) std::fill(acc, acc + ww, 0.0f);
-        else load_span(acc, g, ww);
-      }
-    } else {
-      for (int64_t j = 0; j < ww; ++j) {
-        if (kScores) tv[j] = to_acc(tables[r * D + c0 + j]);
-        if (kTables) acc[j] = first ? A(0) : to_acc(g[j]);
-      }
+    // Widening copies (by vectors for 16-bit values); float32 rows of a whole block are read in place below.
+    if (kScores && !(std::is_same<T, float>::value && W == kBlock)) load_span(tv, tables + r * D + c0, ww);
+    if (kTables) {
+      if (first) std::fill(acc, acc + ww, A(0));
+      else load_span(acc, g, ww);
     }
     if constexpr (std::is_same<A, float>::value && W == kBlock) {
       const float* row;   // float32 tables: the row itself; bfloat16 / float16: its float32 copy in tv
@@ -759,10 +752,7 @@ void lookup_backward_bucketed(const GY* gy, const int64_t* rows,
       A* part = kScores ? pp + int64_t(at::get_thread_num()) * L : nullptr;
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
-        if constexpr (std::is_same<GY, A>::value)
-          for (int64_t i = 0; i < n; ++i) std::memcpy(buf + i * w, g + i * D + c0, sizeof(A) * w);
-        else
-          for (int64_t i = 0; i < n; ++i) load_span(buf + i * w, g + i * D + c0, w);
+        for (int64_t i = 0; i < n; ++i) load_span(buf + i * w, g + i * D + c0, w);   // memcpy when GY is A
         if (w == kBlock)
           backward_block<T, kBlock, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
         else
@@ -905,8 +895,7 @@ void lookup_packed_span(const int64_t* rows, const float* scores, const T* table
   // With W = 2 their accumulator fills all of L2 rather than half and spills to L3 in part, which costs less than
   // streaming the tables once more: 8192 tokens of bfloat16 tables in 2 chunks took 6.3 / 24.5 ms (d = 512 / 1024)
   // against 7.0 / 29.5 ms in 4 chunks of half the size (AMD EPYC Zen 4, 2 threads).
-  const int64_t max_chunk = tu.pack_chunk;
-  const int64_t nchunk = (N + max_chunk - 1) / max_chunk, chunk_size = (N + nchunk - 1) / nchunk;
+  const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
   const int64_t nspan = D / C;
   TORCH_CHECK(G * P * C <= std::numeric_limits<int32_t>::max(),
               "memoryformer_cpu.lookup: a packed group of ", G, " x ", P, " rows is too large for int32 offsets");

@@ -17,6 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from modeling_memoryformer.evaluation.cpu_load import (  # re-exported: the benchmarks import them from here
+    NOISY_CORES,
+    cpu_snapshot,
+    other_cores_since,  # noqa: F401
+    other_cpu_since,
+)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 MB = 1e6
@@ -170,35 +177,8 @@ def make_progress(total: int, desc: str):
 # torch's thread pool, one busy core slows small parallel ops several-fold, so the results record how much CPU
 # other processes took while we measured: (busy jiffies of the whole machine, steal included) - (our own CPU time).
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-NOISY_CORES = 0.25  # cells measured while others used more than this many cores on average are flagged
-
-
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(monotonic time, machine busy CPU seconds, own CPU seconds) or None where /proc/stat is missing."""
-    import resource
-
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait; user, nice, system, irq, softirq, steal
-    own = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        own += usage.ru_utime + usage.ru_stime
-    return time.monotonic(), busy / _CLK_TCK, own
-
-
-def other_cpu_since(before) -> tuple[float, float]:
-    """(wall seconds, CPU seconds used by other processes) since `before` = cpu_snapshot()."""
-    after = cpu_snapshot()
-    if before is None or after is None:
-        return 0.0, 0.0
-    wall = after[0] - before[0]
-    other = (after[1] - before[1]) - (after[2] - before[2])
-    return wall, max(0.0, other)
+# cpu_snapshot, other_cpu_since, other_cores_since and NOISY_CORES live in the package (evaluation.cpu_load), shared
+# with `memoryformer demo`.
 
 
 def wait_for_quiet(max_wait_s: float, probe_s: float = 0.5, threshold: float = NOISY_CORES) -> float:
@@ -214,11 +194,6 @@ def wait_for_quiet(max_wait_s: float, probe_s: float = 0.5, threshold: float = N
         waited = time.monotonic() - start - probe_s
         if wall <= 0 or other / wall <= threshold or waited >= max_wait_s:
             return max(0.0, waited)
-
-
-def other_cores_since(before) -> float | None:
-    wall, other = other_cpu_since(before)
-    return round(other / wall, 3) if wall > 0 else None
 
 
 # The other guests of a shared host (a VM's neighbours) do not show in this guest's /proc/stat, but their memory

@@ -15,6 +15,7 @@ PRESETS = ("tiny", "small", "base")
 _NORM_TYPES = ("layernorm", "rmsnorm")
 _ATTENTION_OUTPUTS = ("none", "memory")
 _BLOCK_ACTIVATIONS = ("none", "gelu")
+_TABLE_INITS = ("paper", "authors")
 # Storage of the hash tables and of the LM head for inference (see quantization.py): None (the model's dtype,
 # trainable), "bfloat16" or "int8" (a scale and an offset per row). "bf16" is read as "bfloat16".
 QUANTIZED_DTYPES = ("bfloat16", "int8")
@@ -71,6 +72,9 @@ class MemoryFormerConfig(PreTrainedConfig):
         memory_block_activation: "none" (paper) or "gelu" between the two Memory Layers of the Memory Block.
         initializer_range: std of the embedding and LM-head init.
         table_init_std: std of the hash-table init, N(0, table_init_std).
+        table_init: "paper" (every table N(0, table_init_std), biases zero) or "authors" (the authors' code: the
+            attention's Q/K/V tables N(0, sqrt(2 / (5 * hidden_size))), GPT-NeoX's small_init, the other tables
+            N(0, table_init_std), Memory Layer biases N(0, 0.001)).
         table_dtype: storage of every Memory Layer's tables: None (the model's dtype, trainable), "bfloat16", or
             "int8" (a float32 scale and offset per row, inference only); rows are summed in float32. Set by
             `model.quantize_tables(...)` and saved with the model, so `from_pretrained` rebuilds the same storage.
@@ -114,6 +118,7 @@ class MemoryFormerConfig(PreTrainedConfig):
         hidden_dropout: float = 0.0,
         initializer_range: float = 0.02,
         table_init_std: float = 0.02,
+        table_init: str = "paper",
         use_cache: bool = True,
         bos_token_id: int | None = 0,
         eos_token_id: int | list[int] | None = 0,
@@ -144,6 +149,7 @@ class MemoryFormerConfig(PreTrainedConfig):
         self.hidden_dropout = hidden_dropout
         self.initializer_range = initializer_range
         self.table_init_std = table_init_std
+        self.table_init = table_init
         self.use_cache = use_cache
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -226,6 +232,7 @@ class MemoryFormerConfig(PreTrainedConfig):
             "norm_type": (self.norm_type, _NORM_TYPES),
             "attention_output": (self.attention_output, _ATTENTION_OUTPUTS),
             "memory_block_activation": (self.memory_block_activation, _BLOCK_ACTIVATIONS),
+            "table_init": (self.table_init, _TABLE_INITS),
         }
         for name, (value, allowed) in enums.items():
             if value not in allowed:

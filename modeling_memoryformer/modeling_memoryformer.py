@@ -104,10 +104,12 @@ class MemoryLayer(nn.Module):
 
     `row_segments`: how many of the paper's table rows one row holds side by side (3 for the attention's fused
     Q/K/V layer, whose row is the Q, K and V rows of one bucket; 1 otherwise). Nothing in the forward depends on it;
-    the row-wise table optimizers keep one state per segment.
+    the row-wise table optimizers keep one state per segment. `is_qkv`: this is that fused Q/K/V layer (its tables
+    take small_init under `config.table_init="authors"`).
     """
 
     row_segments: int = 1
+    is_qkv: bool = False
 
     def __init__(
         self,
@@ -414,6 +416,7 @@ class MemoryFormerAttention(nn.Module):
         )
         self.query_key_value = MemoryLayer(config.hidden_size, 3 * config.hidden_size, **memory_layer)
         self.query_key_value.row_segments = 3  # the paper's three tables (Q, K, V), one row of each per bucket
+        self.query_key_value.is_qkv = True
         self.dense = (
             MemoryLayer(config.hidden_size, config.hidden_size, **memory_layer)
             if config.attention_output == "memory"
@@ -600,13 +603,22 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """Memory Layers by `config.table_init`: "paper", tables N(0, table_init_std) and zero biases; "authors" (their
+        code), the Q/K/V tables N(0, sqrt(2 / (5 d))) (small_init), the others N(0, table_init_std), biases
+        N(0, 0.001). The `init` functions skip tensors already loaded by `from_pretrained`."""
         super()._init_weights(module)
         if isinstance(module, MemoryLayer):
+            authors = self.config.table_init == "authors"
+            std = self.config.table_init_std
+            if authors and module.is_qkv:
+                std = (2 / (5 * self.config.hidden_size)) ** 0.5
             if module.tables is not None:
-                init.normal_(module.tables, mean=0.0, std=self.config.table_init_std)
+                init.normal_(module.tables, mean=0.0, std=std)
             elif not getattr(module.tables_codes, "_is_hf_initialized", False):  # int8 tables not loaded
-                module.reset_parameters(std=self.config.table_init_std)
-            if module.bias is not None:
+                module.reset_parameters(std=std)
+            if module.bias is not None and authors:
+                init.normal_(module.bias, mean=0.0, std=0.001)
+            elif module.bias is not None:
                 init.zeros_(module.bias)
 
     # ----------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ trained tokenizer never sees the held-out text.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
-EMBEDDED_DEFAULT = "embedded default (CPython docs, pydoc_data.topics)"
+EMBEDDED_DEFAULT = "embedded default (the Python standard library's source and pydoc_data documentation)"
+# The embedded default's held-out files: the first files in the order of a hash of their paths that hold at least
+# this share of the corpus's characters.
+EMBEDDED_VALIDATION_SHARE = 0.02
+# Folders of the standard library left out of the embedded default: test suites, installed packages, and
+# pydoc_data (its topics, the documentation, are added as one document of text, not as Python source).
+STDLIB_SKIPPED_FOLDERS = ("test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "pydoc_data")
 END_OF_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 300  # 256 byte symbols + <|endoftext|> + a few merges
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -72,17 +79,78 @@ class LMData:
 
 
 def embedded_default_text() -> str:
-    """The text every machine has: the Python documentation shipped with CPython (`pydoc_data.topics`, ~465 KB),
-    its topics joined in sorted-name order with blank lines."""
+    """A small text every machine has: the Python documentation shipped with CPython (`pydoc_data.topics`, ~465 KB),
+    its topics joined in sorted-name order with blank lines. Part of the embedded default corpus."""
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
+def standard_library_files(root: str | None = None) -> list[str]:
+    """Paths, relative to `root` (default: this interpreter's standard library), of its `.py` files outside test
+    suites, installed packages and pydoc_data (STDLIB_SKIPPED_FOLDERS), in sorted order."""
+    import sysconfig
+
+    root = root or sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        relative = os.path.relpath(folder, root)
+        subfolders[:] = sorted(name for name in subfolders
+                               if name not in STDLIB_SKIPPED_FOLDERS and not name.startswith("config-"))
+        found += [os.path.normpath(os.path.join(relative, name)) for name in files if name.endswith(".py")]
+    return sorted(found)
+
+
+def embedded_default_documents(root: str | None = None,
+                               validation_share: float = EMBEDDED_VALIDATION_SHARE) -> tuple[list[str], list[str], str]:
+    """(training documents, validation documents, description) of the embedded default corpus: every `.py` file of
+    the running Python's standard library outside its test suites (`standard_library_files`, one document each,
+    about 10 MB on CPython 3.11) and the pydoc_data documentation (`embedded_default_text`, one document, training).
+    The split is by file: files in the order of the CRC-32 of their relative paths are held out until they hold
+    `validation_share` of the source's characters; the same Python gives the same split on every machine."""
+    import sysconfig
+    import tokenize
+    import zlib
+
+    root = root or sysconfig.get_paths()["stdlib"]
+    names = standard_library_files(root)
+    sources, unreadable = {}, 0
+    for name in names:
+        try:
+            with tokenize.open(os.path.join(root, name)) as f:  # honours a file's coding declaration
+                sources[name] = f.read()
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            unreadable += 1
+    total = sum(map(len, sources.values()))
+    if total < 1_000_000:
+        raise FileNotFoundError(
+            f"the embedded default corpus needs the Python standard library's source, and {root!r} holds only "
+            f"{len(sources)} readable .py files ({total / 1e6:.2f} MB): this Python ships without it. Pass --data a "
+            "text file, a folder of .txt files or a dataset id instead."
+        )
+    held_out, held_chars = set(), 0
+    for name in sorted(sources, key=lambda name: (zlib.crc32(name.encode("utf-8")), name)):
+        if held_chars >= validation_share * total:
+            break
+        held_out.add(name)
+        held_chars += len(sources[name])
+    train = [sources[name] for name in sources if name not in held_out] + [embedded_default_text()]
+    validation = [sources[name] for name in sources if name in held_out]
+    version = ".".join(map(str, sys.version_info[:3]))
+    description = (
+        f"{EMBEDDED_DEFAULT}: Python {version}, {len(sources) - len(held_out)} .py files and the pydoc_data topics "
+        f"for training ({sum(map(len, train)) / 1e6:.1f} MB), {len(held_out)} other files held out "
+        f"({held_chars / 1e6:.2f} MB); test suites left out"
+        + (f", {unreadable} unreadable files skipped" if unreadable else "")
+    )
+    return train, validation, description
+
+
 def load_texts(data=None, split: str = "train", text_column: str = "text", validation_split: str | None = None):
     """(training documents, validation documents or None when the source has none, description) from `data`:
 
-    None                      the embedded default, one document
+    None                      the embedded default (`embedded_default_documents`): the standard library's source
+                              and documentation, with its own held-out files
     datasets.Dataset          one document per row of `text_column`
     datasets.DatasetDict      `split` for training, `validation_split` (default "validation" when present)
     a file                    one document (UTF-8 text)
@@ -92,7 +160,7 @@ def load_texts(data=None, split: str = "train", text_column: str = "text", valid
     import datasets
 
     if data is None:
-        return [embedded_default_text()], None, EMBEDDED_DEFAULT
+        return embedded_default_documents()
     if isinstance(data, datasets.Dataset):
         return _column(data, text_column, "the dataset"), None, f"datasets.Dataset ({data.num_rows} rows)"
     if isinstance(data, datasets.DatasetDict):
@@ -414,12 +482,14 @@ __all__ = [
     "LMData",
     "TokenBlocks",
     "build_lm_data",
+    "embedded_default_documents",
     "embedded_default_text",
     "load_texts",
     "load_tokenizer",
     "pack_blocks",
     "safe_pieces",
     "split_documents",
+    "standard_library_files",
     "text_blocks",
     "token_stream",
     "train_bpe_tokenizer",

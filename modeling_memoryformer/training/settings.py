@@ -88,6 +88,9 @@ class TrainingSettings:
     lr_multiplier: float | None = option(
         None, "times the Pythia rate of this width (default: 3 for a MemoryFormer, the paper's rule)")
     weight_decay: float = option(0.1, "AdamW weight decay (not on biases, norms)")
+    table_weight_decay: bool = option(
+        True, "train the Memory Layer tables without weight decay (default: they get --weight-decay, as in the "
+        "authors' code)", flag="--no-table-weight-decay")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.95, "AdamW beta2")
     adam_epsilon: float = option(1e-8, "AdamW epsilon")
@@ -166,7 +169,7 @@ class DataSettings:
 
     data: str | None = option(
         None, "text file, folder of .txt files, local dataset folder or Hub dataset id (default: the embedded "
-        "CPython documentation)")
+        "corpus, the Python standard library's source and documentation, about 3.4 M tokens)")
     text_column: str = option("text", "text column of a dataset")
     tokenizer: str | None = option(
         None, "tokenizer path or Hub id (default: a saved model's own, else a byte-level BPE trained on the "

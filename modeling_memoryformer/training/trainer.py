@@ -2,8 +2,9 @@
 
 The recipe (paper section 3.1 and the authors' GPT-NeoX configs):
 
-- AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the tables, embeddings and LM head, none on biases
-  and norm parameters (`no_decay_parameter_names`);
+- AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the tables (as the authors' code;
+  `table_weight_decay=False` exempts them), embeddings and LM head, none on biases and norm parameters
+  (`no_decay_parameter_names`);
   or, with `table_optimizer`, a row-wise rule on the tables applied in the backward pass and AdamW on the rest
   (`training.table_optimizer`: its semantics for clipping, accumulation and several processes);
 - gradient clipping at 1.0; linear warmup over the first 1% of steps, then a cosine decay to 1% of the peak rate;
@@ -43,7 +44,7 @@ from .settings import (
     TrainingSettings,
     check_table_optimizer_setup,
 )
-from .table_optimizer import TableAdamW, exclude_tables_from_ddp, table_param_groups
+from .table_optimizer import TableAdamW, exclude_tables_from_ddp, table_param_groups, table_parameters
 
 # (hidden size, learning rate) of the Pythia suite, smallest first: the dense rate of a model is that of the widest
 # Pythia model not wider than it (models narrower than Pythia-70M take its rate).
@@ -76,10 +77,12 @@ def default_learning_rate(model_or_config, lr_multiplier: float | None = None) -
     return dense_learning_rate(config.hidden_size) * lr_multiplier
 
 
-def no_decay_parameter_names(model: nn.Module) -> set[str]:
-    """Names of the parameters trained without weight decay: every bias, and every parameter of a norm module
-    (LayerNorm, RMSNorm, ... recognised by class name, so remote-code and peft-wrapped models are covered too)."""
-    names = set()
+def no_decay_parameter_names(model: nn.Module, table_weight_decay: bool = True) -> set[str]:
+    """Names of the parameters trained without weight decay: every bias, every parameter of a norm module
+    (LayerNorm, RMSNorm, ... recognised by class name, so remote-code and peft-wrapped models are covered too) and,
+    when `table_weight_decay` is False, the Memory Layer tables."""
+    tables = set() if table_weight_decay else {id(p) for p in table_parameters(model)}
+    names = {name for name, p in model.named_parameters() if id(p) in tables}
     for module_name, module in model.named_modules():
         is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.lower().endswith("norm")
         for param_name, _ in module.named_parameters(recurse=False):
@@ -94,11 +97,12 @@ class MemoryFormerTrainer(Trainer):
     with every evaluation loss."""
 
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
-        excluded = no_decay_parameter_names(model)
+        excluded = no_decay_parameter_names(model, self.table_weight_decay)
         return [name for name, _ in model.named_parameters() if name not in excluded]
 
     table_optimizer = "adamw"  # set by build_trainer; a row-wise rule trains the tables in the backward pass
     table_lr_multiplier = 1.0  # the rule's learning rate over the run's (set by build_trainer)
+    table_weight_decay = True  # False: the tables train without weight decay (set by build_trainer)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -128,6 +132,7 @@ class MemoryFormerTrainer(Trainer):
         for group in groups:  # the schedule scales every group's own rate, so the ratio holds over the run
             if group.get("table_rule"):
                 group["lr"] = args.learning_rate * self.table_lr_multiplier
+                group["weight_decay"] = args.weight_decay if self.table_weight_decay else 0.0
         self.optimizer = TableAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                     eps=args.adam_epsilon, weight_decay=args.weight_decay,
                                     fused=args.optim == "adamw_torch_fused")
@@ -318,6 +323,7 @@ def training_arguments(settings: TrainingSettings, model: nn.Module) -> Training
         data_seed=settings.seed,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        prediction_loss_only=True,  # evaluation needs the loss only: the Trainer would otherwise keep every logit
         disable_tqdm=not settings.progress,
         use_cpu=not torch.cuda.is_available(),
     )
@@ -350,6 +356,7 @@ def build_trainer(model: nn.Module, data, settings: TrainingSettings, callbacks=
     )
     trainer.table_optimizer = settings.table_optimizer
     trainer.table_lr_multiplier = settings.table_lr_multiplier
+    trainer.table_weight_decay = settings.table_weight_decay
     return trainer
 
 

@@ -19,12 +19,14 @@ from modeling_memoryformer.training.data import (
     END_OF_TEXT,
     TokenBlocks,
     build_lm_data,
+    embedded_default_documents,
     embedded_default_text,
     load_texts,
     load_tokenizer,
     pack_blocks,
     safe_pieces,
     split_documents,
+    standard_library_files,
     text_blocks,
     token_stream,
     train_bpe_tokenizer,
@@ -232,12 +234,67 @@ def test_default_tokenizer_is_trained_on_the_training_text_only(text, tmp_path):
     assert data.description.endswith("last 10% held out, byte-level BPE 500")
 
 
-def test_default_data_is_the_embedded_text_with_a_trained_bpe():
+def test_default_data_is_the_standard_library_split_by_file_and_large_enough_to_see_once():
+    import sysconfig
+    import tokenize
+
+    from modeling_memoryformer.comparison.demo import DemoSettings
+
     data = build_lm_data(block_size=128, progress=False)
-    assert data.description == f"{EMBEDDED_DEFAULT}, last 10% held out, byte-level BPE 4096"
+    assert data.description.startswith(EMBEDDED_DEFAULT) and data.description.endswith("byte-level BPE 4096")
     assert len(data.tokenizer) == 4096
     assert data.train.input_ids.shape[1] == data.validation.input_ids.shape[1] == 128
-    assert data.num_validation_tokens > 0 and data.num_train_tokens > 8 * data.num_validation_tokens
+    # the demo's default run sees every training token at most once
+    demo = DemoSettings()
+    assert demo.max_steps * demo.batch_size * demo.block_size <= data.num_train_tokens
+    # the split is by file: the held-out texts are whole files of the standard library, none of them in training
+    train, validation, _ = embedded_default_documents()
+    root = sysconfig.get_paths()["stdlib"]
+    files = {}
+    for name in standard_library_files(root):
+        with tokenize.open(os.path.join(root, name)) as f:
+            files[name] = f.read()
+    held_out = [name for name, source in files.items() if source in validation]
+    assert len(held_out) == len(validation) > 0
+    assert not set(validation) & set(train)
+    assert embedded_default_text() in train
+    share = sum(map(len, validation)) / sum(len(files[name]) for name in files)
+    assert 0.02 <= share < 0.1
+
+
+def test_standard_library_files_leave_out_test_suites_and_packages(tmp_path):
+    for name in ("a.py", "b.txt", "pkg/__init__.py", "pkg/mod.py", "pkg/tests/test_mod.py", "test/test_a.py",
+                 "idlelib/idle_test/t.py", "site-packages/x/y.py", "pydoc_data/topics.py",
+                 "config-3.11-x86_64-linux-gnu/python-config.py", "__pycache__/a.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        write(tmp_path / name, "x = 1\n")
+    assert standard_library_files(str(tmp_path)) == ["a.py", "pkg/__init__.py", "pkg/mod.py"]
+
+
+def test_a_python_without_its_library_source_is_an_error_naming_data(tmp_path):
+    write(tmp_path / "a.py", "x = 1\n")
+    with pytest.raises(FileNotFoundError, match="--data"):
+        embedded_default_documents(str(tmp_path))
+
+
+def test_embedded_default_split_holds_out_whole_files_by_path_hash(tmp_path):
+    import zlib
+
+    sources = {f"m{i}.py": f"# module {i}\n" + "x = 1\n" * (2000 + 137 * i) for i in range(60)}
+    for name, source in sources.items():
+        write(tmp_path / name, source)
+    train, validation, description = embedded_default_documents(str(tmp_path), validation_share=0.1)
+    total = sum(map(len, sources.values()))
+    order = sorted(sources, key=lambda name: zlib.crc32(name.encode()))
+    held, chars = [], 0
+    for name in order:  # the oracle: the shortest prefix of the hash order holding 10% of the characters
+        if chars >= 0.1 * total:
+            break
+        held.append(name)
+        chars += len(sources[name])
+    assert sorted(validation) == sorted(sources[name] for name in held)
+    assert sorted(train[:-1]) == sorted(sources[name] for name in sources if name not in held)
+    assert f"{len(held)} other files held out" in description
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -76,14 +76,22 @@ def test_generate_prints_the_line_first_and_times_the_forward_without_the_load(s
 
 def test_demo_summary_and_report_state_the_run_facts(monkeypatch):
     facts = kernel_report.run_facts()
+    model = {"parameters": 1e6, "learning_rate": 1e-3, "validation_perplexity": 2.0, "validation_loss": 0.69,
+             "final_training_loss": 0.6, "generalisation_gap": 0.09, "flops_per_block_without_attention": 1e6,
+             "flops_per_block_total": 2e6, "train_tokens_per_second": 10.0, "train_loop_tokens_per_second": 9.0,
+             "decode_tokens_per_second": 5.0, "train_seconds": 1.0, "eval_seconds": 1.0, "evaluations": 1,
+             "sample": "s"}
     summary = {
-        "settings": {"max_steps": 1, "batch_size": 1, "block_size": 8}, "data": "d", "train_tokens": 8,
-        "validation_tokens": 8, "eval_text": None, "prompt": "p", "bucket_entropy": {"min": 1, "mean": 1, "tables": 1},
-        "models": {name: {"parameters": 1e6, "learning_rate": 1e-3, "validation_perplexity": 2.0,
-                          "validation_loss": 0.69, "flops_per_block_without_attention": 1e6,
-                          "flops_per_block_total": 2e6, "train_tokens_per_second": 10.0,
-                          "decode_tokens_per_second": 5.0, "sample": "s"}
-                   for name in ("MemoryFormer", "Pythia twin")},
+        "settings": {"max_steps": 1, "batch_size": 1, "block_size": 8, "seed": 0}, "data": "d", "train_tokens": 8,
+        "train_tokens_available": 80, "epochs": 0.1, "validation_tokens": 8, "eval_text": None, "prompt": "p",
+        "bucket_entropy": {"min": 1, "mean": 1, "tables": 1},
+        "models": {name: dict(model) for name in ("MemoryFormer", "Pythia twin")},
+        "speed": {"other_cores": 0.0, "max_other_cores": 0.0, "busy": False, "threshold": 0.25, "rounds": 1,
+                  "train_batch": [1, 8], "decode": {"prompt_tokens": 1, "new_tokens": 1}},
+        "equal_time": {"seconds": 0.8, "faster": "MemoryFormer", "slower": "Pythia twin", "slower_tokens": 7.2,
+                       "faster_loss": 0.69, "slower_loss": None},
+        "time": {"total_seconds": 3.0, "training_seconds": 2.0, "evaluation_seconds": 0.5, "speed_seconds": 0.2,
+                 "other_seconds": 0.3, "estimated_seconds": 3.0},
         "run": facts,
     }
     report = demo.format_report(summary)

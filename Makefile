@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.run --only model --model-dtype bf16 --out-dir benchmarks/results/model-bf16
 	$(PY) -m benchmarks.quant_bench
+	$(PY) -m benchmarks.demo_bench
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) build *.egg-info

@@ -1,20 +1,28 @@
-"""Small-scale ablations in the direction of the paper's Tables 3-6.
+"""Ablations at the demo's scale, several seeds each: which parts of the recipe matter, and the paper's Tables 3-6.
 
-Every variant is a MemoryFormer of the demo shape trained on the same tokens (same data, tokenizer, seed, steps,
-batch); one setting changes at a time against the base (tau = 8, e = 2, 3x LR, no GELU, "paper" score):
+Every variant is a MemoryFormer of the demo shape (d 256, 4 layers, 4 heads, tau 8, e 2) trained as the demo trains
+it (400 steps x 8 x 128 tokens on the embedded default corpus: 0.12 epochs, no token seen twice), with one setting
+changed against the base, which follows the paper's text (LayerNorm blocks, the paper's score, tables N(0, 0.02),
+3x the twin's learning rate, weight decay 0.1 on the tables as in the authors' code). Seed s fixes the model's
+initialisation and the order of the batches; every variant and the twin run under the same seeds, so differences are
+paired. Groups (`--groups`; the default runs the first six):
 
-- tau in {4, 8}                          (paper Table 3: lower perplexity as tau grows, table memory grows fast;
-                                          d = 256 has no other practical divisor: tau = 16 needs 2**16-row tables)
-- learning-rate multiplier in {1, 2, 3, 4} (Table 4: 3x the dense model's LR is best)
-- expanding bits e in {0, 1, 2}           (Table 5: more bits, lower perplexity)
-- GELU between the Memory Layers          (Table 6: no change)
-- hash_score "paper" vs "l1"              (the paper's equation vs the authors' code)
+- twin       the Pythia-shaped dense twin: the MemoryFormer / twin perplexity ratio with its seed spread
+- init       the authors' initialisation: small_init Q/K/V tables, N(0, 0.001) biases (`table_init="authors"`)
+- decay      no weight decay on the tables (the paper does not say; the authors' code decays them)
+- norm       RMSNorm block norms (the authors' code; LayerNorm inside the Memory Block either way)
+- score      the authors' score ||z||_1 * p(z) (`hash_score="l1"`) against the paper's p(z)
+- authors    the three of the authors' code at once: init, RMSNorm, l1 score
+- lr         1x, 2x, 3x (base), 4x the twin's learning rate (paper Table 4: 3x is best)
+- tau        tau = 4 against 8 (paper Table 3)
+- expand     e = 0, 1, 2 (paper Table 5)
+- gelu       GELU between the Memory Layers (paper Table 6)
 
-Writes `results.json`, `results.md` (table) and `ablation.png` to --out. Run:
+A variant differs from the base "beyond the seed spread" when the ranges (min-max over seeds) of their validation
+perplexities do not overlap. Writes `results.json` (every run, written after each one, so an interrupted run keeps
+what it measured and `--resume` goes on from it), `results.md` and `ablation.png` to --out. Run:
 
-    .venv/bin/python experiments/ablation.py --out experiments/results/ablation-pydoc
-    .venv/bin/python experiments/ablation.py --data ../shared/data/tinyshakespeare.txt \\
-        --tokenizer ../shared/data/pythia-tokenizer --out experiments/results/ablation-shakespeare
+    .venv/bin/python experiments/ablation.py --out experiments/results/ablation-stdlib
 """
 
 from __future__ import annotations
@@ -22,94 +30,162 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
-
-from transformers import set_seed
-
-from modeling_memoryformer import MemoryFormerForCausalLM
-from modeling_memoryformer.training.data import build_lm_data
-from modeling_memoryformer.evaluation.flops import per_block_flops, table_memory
-from modeling_memoryformer.training.trainer import TrainingSettings, config_for_tokenizer, default_learning_rate, train
+import time
 
 BASE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, hash_bits=8, expand_bits=2)
+AUTHORS = {"table_init": "authors", "norm_type": "rmsnorm", "hash_score": "l1"}
 
-# (group, label, config overrides, lr multiplier)
+# (group, label, config overrides, lr multiplier, table weight decay); label "base" is the paper's recipe
 VARIANTS = [
-    ("tau", "tau=4", {"hash_bits": 4}, 3.0),
-    ("tau", "tau=8 (base)", {}, 3.0),
-    ("lr", "1x LR", {}, 1.0),
-    ("lr", "2x LR", {}, 2.0),
-    ("lr", "3x LR (base)", {}, 3.0),
-    ("lr", "4x LR", {}, 4.0),
-    ("expand", "e=0", {"expand_bits": 0}, 3.0),
-    ("expand", "e=1", {"expand_bits": 1}, 3.0),
-    ("expand", "e=2 (base)", {}, 3.0),
-    ("gelu", "no GELU (base)", {}, 3.0),
-    ("gelu", "GELU", {"memory_block_activation": "gelu"}, 3.0),
-    ("score", "paper score (base)", {}, 3.0),
-    ("score", "l1 score", {"hash_score": "l1"}, 3.0),
+    ("twin", "Pythia twin", None, 1.0, True),
+    ("init", "authors' init", {"table_init": "authors"}, 3.0, True),
+    ("decay", "no decay on tables", {}, 3.0, False),
+    ("norm", "RMSNorm blocks", {"norm_type": "rmsnorm"}, 3.0, True),
+    ("score", "l1 score", {"hash_score": "l1"}, 3.0, True),
+    ("authors", "authors' init + RMSNorm + l1", AUTHORS, 3.0, True),
+    ("lr", "1x LR", {}, 1.0, True),
+    ("lr", "2x LR", {}, 2.0, True),
+    ("lr", "4x LR", {}, 4.0, True),
+    ("tau", "tau=4", {"hash_bits": 4}, 3.0, True),
+    ("expand", "e=0", {"expand_bits": 0}, 3.0, True),
+    ("expand", "e=1", {"expand_bits": 1}, 3.0, True),
+    ("gelu", "GELU", {"memory_block_activation": "gelu"}, 3.0, True),
 ]
+DEFAULT_GROUPS = ["twin", "init", "decay", "norm", "score", "authors", "lr"]
+BASE_VARIANT = ("base", "base (paper)", {}, 3.0, True)
 
 
-def run_variant(data, label: str, overrides: dict, multiplier: float, args, cache: dict) -> dict:
-    key = json.dumps([overrides, multiplier], sort_keys=True)
-    if key in cache:  # the base variant appears in every group: train it once
-        return dict(cache[key], label=label)
-    config = config_for_tokenizer(data.tokenizer, None, {**BASE, **overrides}, args.block_size)
-    set_seed(args.seed)
-    model = MemoryFormerForCausalLM(config)
+def run_one(data, variant: tuple, seed: int, args) -> dict:
+    from transformers import set_seed
+
+    from modeling_memoryformer import MemoryFormerForCausalLM
+    from modeling_memoryformer.comparison.demo import final_training_loss, loss_curves
+    from modeling_memoryformer.comparison.twin import pythia_twin
+    from modeling_memoryformer.training.trainer import (
+        TrainingSettings,
+        config_for_tokenizer,
+        default_learning_rate,
+        train,
+    )
+
+    group, label, overrides, multiplier, table_decay = variant
+    config = config_for_tokenizer(data.tokenizer, None, BASE, args.block_size, **(overrides or {}))
+    set_seed(seed)
+    model = pythia_twin(config) if overrides is None else MemoryFormerForCausalLM(config)
     lr = default_learning_rate(model, lr_multiplier=multiplier)
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         result = train(model, data, TrainingSettings(
             output_dir=out, max_steps=args.max_steps, per_device_batch_size=args.batch_size, learning_rate=lr,
-            logging_steps=max(1, args.max_steps // 10), eval_steps=args.max_steps, report_to="none", seed=args.seed,
-            save_final_model=False,
+            eval_steps=args.max_steps, report_to="none", seed=seed, save_final_model=False,
+            table_weight_decay=table_decay, progress=args.progress,
         ))
-    row = {
-        "label": label, "overrides": overrides, "lr_multiplier": multiplier, "learning_rate": lr,
-        "validation_loss": result.eval_loss, "validation_perplexity": result.perplexity,
-        "train_tokens_per_second": result.train_tokens_per_second,
-        "table_mb_per_block_fp16": table_memory(config)["block"] / 1e6,
-        "flops_per_block_without_attention": per_block_flops(config, args.block_size)["without_attention_exact"],
+    curve = loss_curves(result.log_history, args.batch_size * args.block_size)
+    return {
+        "group": group, "label": label, "seed": seed, "overrides": overrides, "lr_multiplier": multiplier,
+        "table_weight_decay": table_decay, "learning_rate": lr, "validation_loss": result.eval_loss,
+        "validation_perplexity": result.perplexity, "final_training_loss": final_training_loss(curve),
+        "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - start,
     }
-    cache[key] = row
-    return row
 
 
-def write_results(rows: list[dict], args) -> None:
+def key(row: dict) -> str:
+    return f"{row['label']}|{row['seed']}"
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per variant: perplexities over seeds, the paired difference to the base (same seed), and the verdict."""
+    base = {r["seed"]: r["validation_perplexity"] for r in rows if r["label"] == BASE_VARIANT[1]}
+    out = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        runs = [r for r in rows if r["label"] == label]
+        ppl = [r["validation_perplexity"] for r in runs]
+        paired = [r["validation_perplexity"] - base[r["seed"]] for r in runs if r["seed"] in base]
+        entry = {
+            "group": runs[0]["group"], "label": label, "seeds": [r["seed"] for r in runs], "perplexities": ppl,
+            "mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+            "min": min(ppl), "max": max(ppl),
+            "paired_difference": statistics.fmean(paired) if paired and label != BASE_VARIANT[1] else None,
+            "train_minus_validation_loss": statistics.fmean(r["final_training_loss"] - r["validation_loss"]
+                                                            for r in runs),
+        }
+        if base and label != BASE_VARIANT[1]:
+            lo, hi = min(base.values()), max(base.values())
+            entry["beyond_seed_spread"] = entry["max"] < lo or entry["min"] > hi
+        out.append(entry)
+    twin = {r["seed"]: r["validation_perplexity"] for r in rows if r["group"] == "twin"}
+    ratios = [base[s] / twin[s] for s in base if s in twin]
+    for entry in out:
+        if entry["label"] == BASE_VARIANT[1] and ratios:
+            entry["ratio_to_twin"] = {"per_seed": ratios, "mean": statistics.fmean(ratios),
+                                      "min": min(ratios), "max": max(ratios)}
+    return out
+
+
+def write_results(rows: list[dict], args, final: bool) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump({"settings": vars(args), "rows": rows}, f, indent=2)
-    lines = ["| group | variant | LR | val. perplexity | table MB / block (fp16) | train tokens/s |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['group']} | {r['label']} | {r['learning_rate']:g} | {r['validation_perplexity']:.2f} | "
-                     f"{r['table_mb_per_block_fp16']:.1f} | {r['train_tokens_per_second']:.0f} |")
+    summary = summarise(rows)
+    settings = {k: v for k, v in vars(args).items() if k != "progress"}
+    with open(os.path.join(args.out, "results.json.tmp"), "w", encoding="utf-8") as f:
+        json.dump({"settings": settings, "data": args.data_description, "complete": final, "runs": rows,
+                   "variants": summary}, f, indent=2)
+    os.replace(os.path.join(args.out, "results.json.tmp"), os.path.join(args.out, "results.json"))
+    if not final:
+        return summary
+    lines = [f"Data: {args.data_description}; {args.max_steps} steps x {args.batch_size} x {args.block_size} tokens "
+             f"per run, seeds {', '.join(map(str, args.seeds))}.", "",
+             "| group | variant | val. perplexity, mean ± std | min - max | paired difference to base | "
+             "beyond the seed spread |", "|---|---|---|---|---|---|"]
+    for e in summary:
+        diff = "" if e["paired_difference"] is None else f"{e['paired_difference']:+.2f}"
+        beyond = {True: "yes", False: "no"}.get(e.get("beyond_seed_spread"), "")
+        lines.append(f"| {e['group']} | {e['label']} | {e['mean']:.2f} ± {e['std']:.2f} | {e['min']:.2f} - "
+                     f"{e['max']:.2f} | {diff} | {beyond} |")
+    base = next((e for e in summary if "ratio_to_twin" in e), None)
+    if base:
+        r = base["ratio_to_twin"]
+        lines += ["", f"MemoryFormer / twin validation perplexity: {r['mean']:.3f} (per seed "
+                      f"{', '.join(f'{x:.3f}' for x in r['per_seed'])}; range {r['min']:.3f} - {r['max']:.3f})."]
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
-    plot(rows, os.path.join(args.out, "ablation.png"))
+    plot(summary, os.path.join(args.out, "ablation.png"))
     print("\n".join(lines))
+    return summary
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(summary: list[dict], path: str) -> None:
+    """Bars of the mean validation perplexity per variant, grouped, with every seed as a dot and the base's range
+    as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.6), sharey=True, squeeze=False)
+    base = next((e for e in summary if e["label"] == BASE_VARIANT[1]), None)
+    groups = list(dict.fromkeys(e["group"] for e in summary if e["group"] != "base"))
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(2.6 * max(1, len(groups)), 3.8), sharey=True,
+                             squeeze=False)
     axes = axes[0]
     for ax, group in zip(axes, groups):
-        sel = [r for r in rows if r["group"] == group]
-        ax.bar(range(len(sel)), [r["validation_perplexity"] for r in sel], color="tab:blue")
-        ax.set_xticks(range(len(sel)), [r["label"].replace(" (base)", "*") for r in sel], rotation=30, ha="right")
+        sel = ([base] if base and group != "twin" else []) + [e for e in summary if e["group"] == group]
+        for i, e in enumerate(sel):
+            color = "tab:gray" if e is base else ("tab:orange" if group == "twin" else "tab:blue")
+            ax.bar(i, e["mean"], color=color, alpha=0.6)
+            ax.plot([i] * len(e["perplexities"]), e["perplexities"], "k.", markersize=5)
+        if base:
+            ax.axhspan(base["min"], base["max"], color="tab:gray", alpha=0.2)
+        ax.set_xticks(range(len(sel)), [e["label"] for e in sel], rotation=35, ha="right", fontsize=8)
         ax.set_title(group)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("validation perplexity")
-    title = fig.suptitle("MemoryFormer ablations (* = base: tau 8, e 2, 3x LR, no GELU, paper score)")
-    # one or two groups make a figure narrower than its title: widen the figure to the title's measured width
+    low = min(min(e["perplexities"]) for e in summary)
+    high = max(max(e["perplexities"]) for e in summary)
+    axes[0].set_ylim(low - 0.15 * (high - low) - 1, high + 0.1 * (high - low) + 1)
+    title = fig.suptitle("MemoryFormer ablations (grey: the paper's recipe, its seed range shaded; dots: seeds)")
+    # few groups make a figure narrower than its title: widen the figure to the title's measured width
     fig.canvas.draw()
     needed = title.get_window_extent().width / fig.dpi + 0.4  # inches, with a margin
     if needed > fig.get_figwidth():
@@ -121,25 +197,48 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=None, help="text source (default: the embedded CPython docs)")
+    parser.add_argument("--data", default=None, help="text source (default: the embedded default corpus)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: trained byte-level BPE)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--groups", nargs="+", default=None, help="subset of: tau lr expand gelu score")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--groups", nargs="+", default=DEFAULT_GROUPS,
+                        choices=sorted({v[0] for v in VARIANTS}), help="variant groups (the base always runs)")
+    parser.add_argument("--resume", action="store_true", help="keep the runs already in --out/results.json")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
     parser.add_argument("--out", default="experiments/results/ablation")
     args = parser.parse_args(argv)
 
-    data = build_lm_data(args.data, args.tokenizer, block_size=args.block_size, vocab_size=args.vocab_size)
-    cache: dict = {}
+    from modeling_memoryformer.training.data import build_lm_data
+
+    data = build_lm_data(args.data, args.tokenizer, block_size=args.block_size, vocab_size=args.vocab_size,
+                         progress=args.progress)
+    args.data_description = data.description
+    epochs = args.max_steps * args.batch_size * args.block_size / data.num_train_tokens
+    if epochs > 1:
+        print(f"warning: {epochs:.2f} epochs: the runs see the data more than once", file=sys.stderr)
     rows = []
-    variants = [v for v in VARIANTS if args.groups is None or v[0] in args.groups]
-    for i, (group, label, overrides, multiplier) in enumerate(variants):
-        print(f"[{i + 1}/{len(variants)}] {group}: {label}", file=sys.stderr, flush=True)
-        rows.append(dict(run_variant(data, label, overrides, multiplier, args, cache), group=group))
-    write_results(rows, args)
+    results = os.path.join(args.out, "results.json")
+    if args.resume and os.path.isfile(results):
+        with open(results, encoding="utf-8") as f:
+            rows = json.load(f)["runs"]
+    done = {key(r) for r in rows}
+    variants = [BASE_VARIANT] + [v for v in VARIANTS if v[0] in args.groups]
+    jobs = [(v, s) for s in args.seeds for v in variants]  # seed-major: a partial run has every variant of a seed
+    started = time.perf_counter()
+    for i, (variant, seed) in enumerate(jobs):
+        if f"{variant[1]}|{seed}" in done:
+            continue
+        print(f"[{i + 1}/{len(jobs)}] seed {seed}: {variant[1]} ({time.perf_counter() - started:.0f} s so far)",
+              file=sys.stderr, flush=True)
+        row = run_one(data, variant, seed, args)
+        rows.append(row)
+        print(f"    validation perplexity {row['validation_perplexity']:.2f} in {row['seconds']:.0f} s",
+              file=sys.stderr, flush=True)
+        write_results(rows, args, final=False)
+    write_results(rows, args, final=True)
     return 0
 
 

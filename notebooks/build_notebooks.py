@@ -233,8 +233,9 @@ twin (same width, depth, heads, vocabulary, rotary) on the same tokens, the Memo
 (paper section 4.1), then writes a report folder: `report.md`, `summary.json`, `loss_curves.png`, `buckets.png` (paper
 Fig. 4), `samples.md` and both checkpoints.
 
-The data is the embedded default (the CPython documentation shipped in `pydoc_data`, with a byte-level BPE trained on
-it in seconds), so nothing is downloaded. The scale here is tiny (d = 64, 2 blocks, 48 steps of 8 x 64 tokens): the
+The data is the embedded default (the source and documentation of the Python standard library this interpreter
+ships, split into training and held-out files, with a byte-level BPE trained on it in seconds), so nothing is
+downloaded. The scale here is tiny (d = 64, 2 blocks, 48 steps of 8 x 64 tokens): the
 numbers show the pipeline, not the paper's quality. The second half shows the lower-level API the demo is built from:
 `build_lm_data`, `TrainingSettings`, `train` and `default_learning_rate`.
 
@@ -305,7 +306,7 @@ for name, result in models.items():
 
 - `modeling_memoryformer.training.data.build_lm_data(data, tokenizer, block_size, vocab_size, validation_fraction)`
   -> `LMData` with `.train` / `.validation` (datasets of `{"input_ids", "labels"}` blocks) and `.tokenizer`. `data` is
-  `None` (the embedded text), a text file, a folder of `.txt` files, a `datasets` object or a dataset id;
+  `None` (the embedded corpus, with its own held-out files), a text file, a folder of `.txt` files, a `datasets` object or a dataset id;
   `tokenizer=None` trains a byte-level BPE of `vocab_size` tokens on the training text.
 - `modeling_memoryformer.training.trainer.default_learning_rate(model)`: the Pythia rate of the model's width (1e-3 up
   to d = 512), times 3 for a MemoryFormer (paper Table 4: a table row only gets gradient from the tokens that hash to
@@ -321,7 +322,7 @@ from modeling_memoryformer.training.data import build_lm_data
 from modeling_memoryformer.training.trainer import TrainingSettings, default_learning_rate, train
 from modeling_memoryformer.comparison.twin import pythia_twin
 
-data = build_lm_data(None, None, block_size=64, vocab_size=1024, validation_fraction=0.02, progress=False)
+data = build_lm_data(None, None, block_size=64, vocab_size=1024, progress=False)
 tokenizer = data.tokenizer
 print(data.description)
 print(f"{len(data.train)} training and {len(data.validation)} validation blocks of {data.block_size} tokens")
@@ -382,7 +383,7 @@ becomes a Memory Layer whose tables are fitted to reproduce it, either
   partially converted model (needs a plain-text file; its last 10% is held out to measure perplexity).
 
 To stay offline and fast, the teacher here is a tiny Pythia-layout model (d = 64, 2 blocks, parallel residual)
-trained for 60 steps on the embedded CPython documentation, so that it is not random. See `conversion/README.md`
+trained for 60 steps on the embedded corpus (the Python standard library), so that it is not random. See `conversion/README.md`
 for the maths and results on a real teacher.
 
 **Run time:** about 15 s on 2 CPU cores.
@@ -410,7 +411,7 @@ GELU MLP of 4d, attention output projection, rotary on a quarter of each head. `
 tokenizer to its output folder, which is what the converter reads.
 """),
     code("""
-data = build_lm_data(None, None, block_size=64, vocab_size=1024, validation_fraction=0.02, progress=False)
+data = build_lm_data(None, None, block_size=64, vocab_size=1024, progress=False)
 tokenizer = data.tokenizer
 shape = MemoryFormerConfig(
     vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, hash_bits=8,
@@ -448,7 +449,7 @@ with open(os.path.join(workdir.name, "mf-data-free", "conversion_report.md"), en
     md("""
 ## Calibrated conversion
 
-The calibration text is the embedded default text written to a file (the converter reads plain-text files). Its
+The calibration text is the embedded CPython documentation (`pydoc_data`) written to a file (the converter reads plain-text files). Its
 first 90% calibrates (at most `calib_tokens` tokens), the last 10% is held out (`eval_tokens`). The report lists the
 held-out perplexity after each stage: the teacher, a MemoryFormer with random weights, the teacher's weights with
 random tables, the data-free tables, and the calibrated tables; then the relative L2 error of every Memory Layer
@@ -556,11 +557,11 @@ workdir = tempfile.TemporaryDirectory(prefix="mf-buckets-")
     md("""
 ## A tiny MemoryFormer, before and after training
 
-The validation blocks (last 5% of the text) are the counted tokens. `collect_bucket_stats` takes any iterable of
+The validation blocks (the embedded corpus's held-out files) are the counted tokens. `collect_bucket_stats` takes any iterable of
 `LongTensor [B, T]` or dict batches, so a `DataLoader` over `data.validation` works as it is.
 """),
     code("""
-data = build_lm_data(None, None, block_size=64, vocab_size=1024, validation_fraction=0.05, progress=False)
+data = build_lm_data(None, None, block_size=64, vocab_size=1024, progress=False)
 tokenizer = data.tokenizer
 set_seed(0)
 model = MemoryFormerForCausalLM(MemoryFormerConfig(

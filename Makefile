@@ -14,7 +14,7 @@ NEWEST_VENV := .venv-transformers-newest
 # The model, generation, remote-code, pipeline and Hub tests.
 VERSION_TESTS := tests/model tests/tools/test_hub.py
 
-.PHONY: setup demo test test-versions bench flops clean
+.PHONY: setup demo test test-fast test-versions bench flops clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,13 @@ test: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryforme
 	MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_OTHER_PYTHONS=$(abspath $(FLOOR_VENV)/bin/python):$(abspath $(NEWEST_VENV)/bin/python) \
 		$(PY) -m pytest -q tests
 	@$(MAKE) --no-print-directory test-versions
+
+# The fast tier for the edit-test loop: every test not marked `slow` (pyproject.toml registers the marker), under 3
+# minutes on 2 cores. Slow tests are deselected, not skipped. `make test` above is the full suite, slow tests and the
+# version tests included, and is what CI runs (.ci/run); run it before a commit. The fused kernel is still required;
+# the other transformers venvs are not needed (the test that uses them is slow).
+test-fast: $(STAMP)
+	MEMORYFORMER_REQUIRE_FUSED=1 $(PY) -m pytest -q -m "not slow" tests
 
 # The version tests alone, under the floor and the newest transformers release (part of `make test`).
 test-versions: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed

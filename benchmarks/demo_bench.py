@@ -5,6 +5,12 @@ of its own. A quiet demo run's speed rows should agree with these within their s
 
     python -m benchmarks.demo_bench                      # writes benchmarks/results/demo/results.{json,md}
     python -m benchmarks.demo_bench --rounds 40 --out-dir /tmp/demo-bench
+    python -m benchmarks.demo_bench --demo-folder memoryformer-demo   # the models a demo run trained, its inputs
+
+With --demo-folder the models are the ones a `memoryformer demo` run saved (trained: their buckets are hit less evenly
+than a random model's, which changes the Memory Layer's time), timed on the inputs the demo timed them on: the first
+training batch and validation prompt of the data, tokenized with the demo's tokenizer (the embedded corpus unless
+--data names another text).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30, help="alternated rounds (default 30)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=DEFAULT_OUT)
+    parser.add_argument("--demo-folder", help="a `memoryformer demo` report folder: time its two trained models")
+    parser.add_argument("--data", help="with --demo-folder: the text the demo trained on (default: the embedded corpus)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
 
@@ -51,13 +59,26 @@ def main(argv: list[str] | None = None) -> int:
 
     env = environment()  # first: builds/loads the fused kernel before anything is timed
     settings = DemoSettings()
-    vocabulary = _Vocabulary(size=settings.vocab_size)
-    config = memoryformer_config_for(settings, vocabulary)
-    torch.manual_seed(args.seed)
-    models = {"MemoryFormer": MemoryFormerForCausalLM(config), "Pythia twin": pythia_twin(config)}
-    generator = torch.Generator().manual_seed(args.seed)
-    batch = torch.randint(1, vocabulary.size, (settings.batch_size, settings.block_size), generator=generator)
-    prompt = torch.randint(1, vocabulary.size, (1, settings.prompt_tokens), generator=generator)
+    if args.demo_folder:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from modeling_memoryformer.training.data import build_lm_data
+
+        folders = {"MemoryFormer": "memoryformer", "Pythia twin": "pythia-twin"}
+        models = {name: AutoModelForCausalLM.from_pretrained(os.path.join(args.demo_folder, folder))
+                  for name, folder in folders.items()}
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.demo_folder, "memoryformer"))
+        data = build_lm_data(args.data, tokenizer, block_size=settings.block_size, progress=args.progress)
+        batch = data.train.input_ids[: settings.batch_size]
+        prompt = data.validation.input_ids[:1, : settings.prompt_tokens]
+    else:
+        vocabulary = _Vocabulary(size=settings.vocab_size)
+        config = memoryformer_config_for(settings, vocabulary)
+        torch.manual_seed(args.seed)
+        models = {"MemoryFormer": MemoryFormerForCausalLM(config), "Pythia twin": pythia_twin(config)}
+        generator = torch.Generator().manual_seed(args.seed)
+        batch = torch.randint(1, vocabulary.size, (settings.batch_size, settings.block_size), generator=generator)
+        prompt = torch.randint(1, vocabulary.size, (1, settings.prompt_tokens), generator=generator)
     speed = measure_speed(models, batch, prompt, settings.decode_tokens, rounds=args.rounds, progress=args.progress)
 
     rows = {name: {w: speed["models"][name][w] for w in ("train", "decode")} for name in models}
@@ -66,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# The demo's speed rows, apart from the demo ({args.rounds} rounds, models alternated, medians)",
         "",
+        f"Models: {'trained, from ' + args.demo_folder if args.demo_folder else 'the demo shape, random init, random tokens'}.",
+        "",
         f"CPU: {env['cpu']}, {env['threads']} threads; other processes used "
         f"{'unknown' if load is None else f'{load:.2f}'} cores on average"
-        f"{' (BUSY: not trustworthy)' if speed['busy'] else ''}.",
+        f"{' (BUSY: not trustworthy)' if speed['busy'] else ''}; memory stream "
+        f"{speed['memory_stream_gbps']['median']:.0f} GB/s (median per round).",
         "",
         "| | MemoryFormer | Pythia twin | MF / twin |",
         "|---|---|---|---|",

@@ -5,9 +5,10 @@ it (400 steps x 8 x 128 tokens on the embedded default corpus: 0.12 epochs, no t
 changed against the base, which follows the paper's text (LayerNorm blocks, the paper's score, tables N(0, 0.02),
 3x the twin's learning rate, weight decay 0.1 on the tables as in the authors' code). Seed s fixes the model's
 initialisation and the order of the batches; every variant and the twin run under the same seeds, so differences are
-paired. Groups (`--groups`; the default runs the first six):
+paired. Groups (`--groups`; the default runs the first eight):
 
 - twin       the Pythia-shaped dense twin: the MemoryFormer / twin perplexity ratio with its seed spread
+- twin-lr    the twin at 2x and 3x its Pythia rate: whether a short run favours higher rates for the dense model too
 - init       the authors' initialisation: small_init Q/K/V tables, N(0, 0.001) biases (`table_init="authors"`)
 - decay      no weight decay on the tables (the paper does not say; the authors' code decays them)
 - norm       RMSNorm block norms (the authors' code; LayerNorm inside the Memory Block either way)
@@ -18,8 +19,8 @@ paired. Groups (`--groups`; the default runs the first six):
 - expand     e = 0, 1, 2 (paper Table 5)
 - gelu       GELU between the Memory Layers (paper Table 6)
 
-A variant differs from the base "beyond the seed spread" when the ranges (min-max over seeds) of their validation
-perplexities do not overlap. Writes `results.json` (every run, written after each one, so an interrupted run keeps
+A variant differs from its reference (the base; for the twin's learning rates, the twin) "beyond the seed spread"
+when the ranges (min-max over seeds) of their validation perplexities do not overlap. Writes `results.json` (every run, written after each one, so an interrupted run keeps
 what it measured and `--resume` goes on from it), `results.md` and `ablation.png` to --out. Run:
 
     .venv/bin/python experiments/ablation.py --out experiments/results/ablation-stdlib
@@ -41,6 +42,8 @@ AUTHORS = {"table_init": "authors", "norm_type": "rmsnorm", "hash_score": "l1"}
 # (group, label, config overrides, lr multiplier, table weight decay); label "base" is the paper's recipe
 VARIANTS = [
     ("twin", "Pythia twin", None, 1.0, True),
+    ("twin-lr", "twin at 2x LR", None, 2.0, True),
+    ("twin-lr", "twin at 3x LR", None, 3.0, True),
     ("init", "authors' init", {"table_init": "authors"}, 3.0, True),
     ("decay", "no decay on tables", {}, 3.0, False),
     ("norm", "RMSNorm blocks", {"norm_type": "rmsnorm"}, 3.0, True),
@@ -54,7 +57,7 @@ VARIANTS = [
     ("expand", "e=1", {"expand_bits": 1}, 3.0, True),
     ("gelu", "GELU", {"memory_block_activation": "gelu"}, 3.0, True),
 ]
-DEFAULT_GROUPS = ["twin", "init", "decay", "norm", "score", "authors", "lr"]
+DEFAULT_GROUPS = ["twin", "twin-lr", "init", "decay", "norm", "score", "authors", "lr"]
 BASE_VARIANT = ("base", "base (paper)", {}, 3.0, True)
 
 
@@ -96,27 +99,37 @@ def key(row: dict) -> str:
     return f"{row['label']}|{row['seed']}"
 
 
+def reference_label(group: str) -> str:
+    """What a variant is compared with: the twin for the twin's learning rates, the paper's recipe otherwise."""
+    return "Pythia twin" if group == "twin-lr" else BASE_VARIANT[1]
+
+
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per variant: perplexities over seeds, the paired difference to the base (same seed), and the verdict."""
-    base = {r["seed"]: r["validation_perplexity"] for r in rows if r["label"] == BASE_VARIANT[1]}
+    """Per variant: perplexities over seeds, the paired difference to its reference (same seed; the base, or the
+    twin for the twin's learning rates), whether the two ranges overlap, and the MemoryFormer / twin ratio."""
+    by_label = {}
+    for r in rows:
+        by_label.setdefault(r["label"], {})[r["seed"]] = r["validation_perplexity"]
     out = []
     for label in dict.fromkeys(r["label"] for r in rows):
         runs = [r for r in rows if r["label"] == label]
+        group = runs[0]["group"]
         ppl = [r["validation_perplexity"] for r in runs]
-        paired = [r["validation_perplexity"] - base[r["seed"]] for r in runs if r["seed"] in base]
         entry = {
-            "group": runs[0]["group"], "label": label, "seeds": [r["seed"] for r in runs], "perplexities": ppl,
+            "group": group, "label": label, "seeds": [r["seed"] for r in runs], "perplexities": ppl,
             "mean": statistics.fmean(ppl), "std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-            "min": min(ppl), "max": max(ppl),
-            "paired_difference": statistics.fmean(paired) if paired and label != BASE_VARIANT[1] else None,
+            "min": min(ppl), "max": max(ppl), "paired_difference": None,
             "train_minus_validation_loss": statistics.fmean(r["final_training_loss"] - r["validation_loss"]
                                                             for r in runs),
         }
-        if base and label != BASE_VARIANT[1]:
-            lo, hi = min(base.values()), max(base.values())
-            entry["beyond_seed_spread"] = entry["max"] < lo or entry["min"] > hi
+        reference = by_label.get(reference_label(group), {})
+        if label != BASE_VARIANT[1] and reference:
+            paired = [r["validation_perplexity"] - reference[r["seed"]] for r in runs if r["seed"] in reference]
+            entry["reference"] = reference_label(group)
+            entry["paired_difference"] = statistics.fmean(paired) if paired else None
+            entry["beyond_seed_spread"] = entry["max"] < min(reference.values()) or entry["min"] > max(reference.values())
         out.append(entry)
-    twin = {r["seed"]: r["validation_perplexity"] for r in rows if r["group"] == "twin"}
+    base, twin = by_label.get(BASE_VARIANT[1], {}), by_label.get("Pythia twin", {})
     ratios = [base[s] / twin[s] for s in base if s in twin]
     for entry in out:
         if entry["label"] == BASE_VARIANT[1] and ratios:
@@ -137,10 +150,10 @@ def write_results(rows: list[dict], args, final: bool) -> list[dict]:
         return summary
     lines = [f"Data: {args.data_description}; {args.max_steps} steps x {args.batch_size} x {args.block_size} tokens "
              f"per run, seeds {', '.join(map(str, args.seeds))}.", "",
-             "| group | variant | val. perplexity, mean ± std | min - max | paired difference to base | "
+             "| group | variant | val. perplexity, mean ± std | min - max | paired difference to its reference | "
              "beyond the seed spread |", "|---|---|---|---|---|---|"]
     for e in summary:
-        diff = "" if e["paired_difference"] is None else f"{e['paired_difference']:+.2f}"
+        diff = "" if e["paired_difference"] is None else f"{e['paired_difference']:+.2f} ({e['reference']})"
         beyond = {True: "yes", False: "no"}.get(e.get("beyond_seed_spread"), "")
         lines.append(f"| {e['group']} | {e['label']} | {e['mean']:.2f} ± {e['std']:.2f} | {e['min']:.2f} - "
                      f"{e['max']:.2f} | {diff} | {beyond} |")
@@ -169,14 +182,17 @@ def plot(summary: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(2.6 * max(1, len(groups)), 3.8), sharey=True,
                              squeeze=False)
     axes = axes[0]
+    twin = next((e for e in summary if e["label"] == "Pythia twin"), None)
     for ax, group in zip(axes, groups):
-        sel = ([base] if base and group != "twin" else []) + [e for e in summary if e["group"] == group]
+        reference = twin if group == "twin-lr" else base
+        sel = ([reference] if reference else []) + [e for e in summary if e["group"] == group]
         for i, e in enumerate(sel):
-            color = "tab:gray" if e is base else ("tab:orange" if group == "twin" else "tab:blue")
+            color = "tab:gray" if e is base else ("tab:orange" if e["group"].startswith("twin") else "tab:blue")
             ax.bar(i, e["mean"], color=color, alpha=0.6)
             ax.plot([i] * len(e["perplexities"]), e["perplexities"], "k.", markersize=5)
-        if base:
-            ax.axhspan(base["min"], base["max"], color="tab:gray", alpha=0.2)
+        if reference:
+            ax.axhspan(reference["min"], reference["max"], color=reference is base and "tab:gray" or "tab:orange",
+                       alpha=0.2)
         ax.set_xticks(range(len(sel)), [e["label"] for e in sel], rotation=35, ha="right", fontsize=8)
         ax.set_title(group)
         ax.grid(axis="y", alpha=0.3)

@@ -4,6 +4,11 @@ The tiny shape (vocab 128, d 64, 2 layers, 4 heads, tau 4 -> K 16) keeps every t
 initialised with a larger std than the paper's 0.02 so that attention is far from uniform and logits have clear
 argmax gaps: tests that compare two code paths then exercise real structure, and greedy decoding is not decided by
 float noise.
+
+Two tiers: a test that takes seconds on 2 cores (a README or notebook run, a kernel build or cross-compile, a
+distributed or subprocess run, training end to end) is marked `@pytest.mark.slow`, or the whole module is with
+`pytestmark = pytest.mark.slow` when a module-scoped fixture is the cost. `make test-fast` (`-m "not slow"`) leaves
+those out for the edit-test loop; `make test` runs everything.
 """
 
 from __future__ import annotations

@@ -397,6 +397,11 @@ def _speed_lines(summary: dict) -> list[str]:
     else:
         state = (f"quiet: other processes used {load:.2f} cores on average, {speed['max_other_cores']:.2f} at most "
                  f"(flagged above {speed['threshold']})")
+    stream = speed.get("memory_stream_gbps")
+    if stream:
+        state += (f"; memory streamed at {stream['median']:.0f} GB/s (median of a 128 MB sum per round, "
+                  f"{stream['min']:.0f}-{stream['max']:.0f}: the host's other tenants, which /proc/stat does not "
+                  "show, lower it and slow the MemoryFormer's optimizer step over its tables more than the twin's)")
     batch, decode = speed["train_batch"], speed["decode"]
     lines = [f"Speed rows: measured after training and apart from it, {speed['rounds']} rounds with the models "
              f"alternated, medians (the spread is in summary.json); a training step is {batch[0]} x {batch[1]} tokens "

@@ -4,7 +4,8 @@ Timings taken inside a training loop carry whatever else the machine did meanwhi
 trained at different times. Here every round times one training step and one greedy generation of each model, the
 models alternated (the first one rotates with the round, so drift of the machine hits all alike), and each model's
 figure is the median over the rounds. Beside every timing the CPU used by other processes is recorded
-(`evaluation.cpu_load`); a measurement during which they kept more than NOISY_CORES cores busy is flagged busy.
+(`evaluation.cpu_load`); a measurement during which they kept more than NOISY_CORES cores busy is flagged busy. A
+memory-stream probe per round records what /proc/stat cannot see: neighbours on a shared host loading memory.
 
 The training step is the one the Trainer runs (forward with labels, backward, gradient clipping at 1.0, a fused
 AdamW step), on a copy of the model with an optimizer of its own, so the trained model is left as it is.
@@ -21,6 +22,17 @@ import torch
 from tqdm.auto import tqdm
 
 from ..evaluation.cpu_load import NOISY_CORES, cpu_snapshot, other_cpu_since
+
+STREAM_PROBE_BYTES = 128 << 20  # four times a 32 MB L3: the probe reads DRAM
+
+
+def memory_stream_gbps(buffer: torch.Tensor) -> float:
+    """GB/s of one `torch.sum` over `buffer` (all threads). The other guests of a shared host do not show in this
+    machine's /proc/stat, but their memory traffic slows what streams from DRAM: the MemoryFormer's optimizer step
+    over its large tables far more than the twin's. The probe beside the timings records it."""
+    start = time.perf_counter()
+    buffer.sum()
+    return buffer.numel() * buffer.element_size() / (time.perf_counter() - start) / 1e9
 
 
 @dataclass
@@ -100,8 +112,12 @@ def measure_speed(models: dict[str, torch.nn.Module], batch: torch.Tensor, promp
     for name in names:  # warm-up: first calls allocate, plan and fill caches
         for fn, _ in work[name].values():
             fn()
+    probe = torch.ones(STREAM_PROBE_BYTES // 4)
+    memory_stream_gbps(probe)
+    streams = []
     with tqdm(total=rounds * len(names) * 2, desc="timing both models, alternated", disable=not progress) as bar:
         for r in range(rounds):
+            streams.append(memory_stream_gbps(probe))
             order = names[r % len(names):] + names[:r % len(names)]
             for workload in ("train", "decode"):
                 for name in order:
@@ -109,7 +125,7 @@ def measure_speed(models: dict[str, torch.nn.Module], batch: torch.Tensor, promp
                     timings.time(fn)
                     bar.update(1)
     results = {name: {workload: timings.summary() for workload, (_, timings) in work[name].items()} for name in names}
-    del work  # the training copies and their optimizer state
+    del work, probe  # the training copies and their optimizer state
     loads = [w["other_cores"] for r in results.values() for w in r.values() if w["other_cores"] is not None]
     wall = sum(w["wall_seconds"] for r in results.values() for w in r.values())
     other = sum(w["other_cpu_seconds"] for r in results.values() for w in r.values())
@@ -122,4 +138,5 @@ def measure_speed(models: dict[str, torch.nn.Module], batch: torch.Tensor, promp
         "max_other_cores": max(loads) if loads else None,
         "busy": bool(loads) and max(loads) > NOISY_CORES,
         "threshold": NOISY_CORES,
+        "memory_stream_gbps": {"median": statistics.median(streams), "min": min(streams), "max": max(streams)},
     }

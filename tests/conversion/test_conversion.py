@@ -240,6 +240,7 @@ def test_ridge_fit_equals_a_direct_dense_solve():
     torch.testing.assert_close(fit.bias, solution[-1], rtol=1e-8, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_calibrated_layers_beat_data_free_on_held_out_tokens():
     """Per Memory Layer, relative error against its dense layer on tokens not used for calibration: data-free < 1
     (better than predicting zero), calibrated < data-free."""
@@ -286,6 +287,7 @@ def test_distillation_loss_is_the_kl_divergence_from_the_teacher():
     assert distillation_loss(student_logits, teacher_logits).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_distillation_brings_the_student_closer_to_the_teacher():
     teacher = tiny_teacher()
     dense = dense_layers(teacher)
@@ -308,6 +310,7 @@ def test_budget_schedule_warms_up_then_follows_a_cosine_to_zero():
     assert [schedule.factor(step) for step in (0, 5, 10, 55, 100)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
 
 
+@pytest.mark.slow
 def test_the_trainer_applies_the_budget_schedule():
     teacher = tiny_teacher()
     student = converted(teacher)
@@ -349,6 +352,7 @@ def _settings(source, out, **overrides) -> convert.ConvertSettings:
     return convert.ConvertSettings(**{**fields, **overrides})
 
 
+@pytest.mark.slow
 def test_data_free_conversion_writes_a_folder_that_loads_with_auto_and_remote_code(teacher_folder, tmp_path):
     out = tmp_path / "converted"
     convert.convert_pythia(_settings(teacher_folder, out))  # no text, no tokenizer: nothing measured
@@ -383,6 +387,7 @@ def test_data_free_conversion_writes_a_folder_that_loads_with_auto_and_remote_co
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @needs_text
 def test_calibrated_command_reports_every_stage(teacher_with_tokenizer, tmp_path):
     out = tmp_path / "converted"
@@ -467,6 +472,7 @@ def test_a_failure_while_writing_leaves_no_folder(teacher_folder, tmp_path, monk
     _assert_nothing_written(tmp_path, out)
 
 
+@pytest.mark.slow
 def test_command_exits_with_a_clear_error(tmp_path):
     command = [sys.executable, "-m", "modeling_memoryformer.cli", "convert"]  # `memoryformer convert`, via -m
     result = subprocess.run([*command, "--from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")],
@@ -475,6 +481,7 @@ def test_command_exits_with_a_clear_error(tmp_path):
     assert "does not exist" in result.stderr
 
 
+@pytest.mark.slow
 def test_conversion_stored_as_int8_saves_the_quantized_model_it_converted(teacher_folder, tmp_path):
     """`convert --table-dtype int8 --lm-head-dtype bf16`: the saved folder is the float conversion quantised (the
     oracle: the float conversion, quantised here by the model's own method, gives the same logits)."""

@@ -219,6 +219,7 @@ def test_16_bit_packed_pass_under_a_small_l2_gives_the_same_bits(machine, dtype)
         assert torch.equal(small, wide.to(dtype))
 
 
+@pytest.mark.slow
 def test_packed_sizes_follow_l2_and_compute_the_same_function(machine):
     """A 256 KB L2 gives 64 KB packed groups (2 tables of 256 x 32 floats instead of 8) and 512-token chunks: the
     packed pass then runs 4 chunks and 32 groups per column block and must still give exactly the same output."""

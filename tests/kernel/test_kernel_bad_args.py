@@ -93,6 +93,7 @@ def problems_of(group: str, outcomes: list[dict]) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", GROUPS)
 def test_the_ops_reject_malformed_calls_without_crashing(group):
     outcomes, crashes, unavailable = run_group(group)

@@ -30,6 +30,9 @@ ON_X86 = platform.machine().lower() in ("x86_64", "amd64")
 # accumulation), 256 KB packed groups, as on the 2-core EPYC the kernel was tuned on.
 CACHES = (32 << 10, 1 << 20, 32 << 20)
 
+# Slow tier (`make test` only, not `make test-fast`): each -march build and the cross-compiles take tens of seconds.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", params=list(ISA_OF_MARCH))
 def variant(request):

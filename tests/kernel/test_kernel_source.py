@@ -105,6 +105,7 @@ def failed_build(tmp_path_factory):
     return ext_dir, source_file, line, info.value, seconds
 
 
+@pytest.mark.slow
 def test_a_compile_error_quotes_the_cpp_line_and_keeps_the_full_output(failed_build):
     ext_dir, _, line, error, _ = failed_build
     where = f"{LINE_NAME}:{line}:"
@@ -118,6 +119,7 @@ def test_a_compile_error_quotes_the_cpp_line_and_keeps_the_full_output(failed_bu
     assert where in log.read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_load_fused_kernels_warns_with_the_compiler_error_and_falls_back(failed_build, monkeypatch):
     ext_dir, source_file, line, error, _ = failed_build
     for name in KERNEL_VARIABLES:
@@ -133,6 +135,7 @@ def test_load_fused_kernels_warns_with_the_compiler_error_and_falls_back(failed_
     assert f"{LINE_NAME}:{line}:" in message and error.log_path in message and "PyTorch path" in message
 
 
+@pytest.mark.slow
 def test_a_remembered_failure_is_not_compiled_again_in_a_new_process(failed_build):
     ext_dir, source_file, line, error, build_seconds = failed_build
     build_dir = Path(error.log_path).with_name(Path(error.log_path).name.removesuffix(".failed.log"))
@@ -161,6 +164,7 @@ except memory_ops.KernelBuildError as exc:
     assert sorted((p.name, p.stat().st_mtime_ns) for p in build_dir.iterdir()) == before  # nothing rebuilt
 
 
+@pytest.mark.slow
 def test_a_broken_build_falls_back_is_remembered_and_is_an_error_under_require_fused(tmp_path):
     """MEMORYFORMER_KERNEL_MARCH=not-a-cpu: the production build fails at once. Without MEMORYFORMER_REQUIRE_FUSED the
     layer falls back to PyTorch and the failure is remembered; with it, the build is retried and is an error."""
@@ -198,6 +202,7 @@ for w in warned:
     assert "KERNEL" not in required.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["environment", "set_kernel"])
 def test_the_torch_kernel_never_builds_or_loads_the_fused_one(tmp_path, how):
     ext_dir = tmp_path / "torch_extensions"

@@ -106,6 +106,7 @@ def test_registered_attention_backend_is_used():
     torch.testing.assert_close(kept, expected[:, [1, 4]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_static_cache_generate_compiled_fullgraph_matches_eager(kernel):
     """`_can_compile_fullgraph`: greedy tokens with a StaticCache, (a) compiled automatically by `generate` with a

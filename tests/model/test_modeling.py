@@ -314,6 +314,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(input_ids):
         torch.testing.assert_close(grads_ckpt[name], grads_plain[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_training_step_reduces_the_loss(input_ids):
     model = tiny_model(table_init_std=0.02, initializer_range=0.02).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -449,6 +449,7 @@ def test_greedy_scores_are_the_forward_logits():
         assert torch.equal(out.sequences[:, s + step], out.logits[step].argmax(-1))
 
 
+@pytest.mark.slow
 def test_sampling_top_k_1_is_greedy_and_seeds_matter():
     model = tester.create_model()
     greedy = _greedy(model, PROMPT, NEW)
@@ -509,6 +510,7 @@ def test_beam_sampling_is_seeded():
     assert first.shape == (1, PROMPT.shape[1] + NEW) and torch.equal(first, second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("assistant", ["other", "same"])
 def test_assisted_decoding_equals_greedy(assistant):
     model = tester.create_model()

@@ -25,6 +25,7 @@ def test_import_loads_no_torch():
                ).split() == ["False", "False"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [
     "import modeling_memoryformer\nfrom transformers import AutoConfig, AutoModelForCausalLM",  # package, then Auto
     "from transformers import AutoConfig, AutoModelForCausalLM\nimport modeling_memoryformer",  # Auto, then package

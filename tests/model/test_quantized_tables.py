@@ -448,6 +448,7 @@ def test_save_and_load_round_trip_is_exact(tmp_path, ids, tables, lm_head):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.slow
 def test_a_quantized_folder_loads_with_remote_code_without_the_package(tmp_path, ids):
     model = tiny_model(attention_output="memory").quantize_tables("int8", lm_head="int8")
     folder = tmp_path / "quantized"

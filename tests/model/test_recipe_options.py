@@ -1,4 +1,4 @@
-"""The two recipe options that set the paper's text against the authors' code (SPEC section 4): the table init
+"""The two recipe options that set the paper's text against the authors' code: the table init
 (`MemoryFormerConfig.table_init`) and weight decay on the tables (`TrainingSettings.table_weight_decay`,
 `--no-table-weight-decay`)."""
 

@@ -162,6 +162,7 @@ def load_without_the_package(folder: Path, input_ids, tmp_path: Path, python: st
     return report, torch.load(outputs_path)
 
 
+@pytest.mark.slow
 def test_saved_folder_loads_with_trust_remote_code_without_the_package(saved_folder, tmp_path):
     model, folder = saved_folder
     input_ids = torch.tensor([[5, 17, 99, 42, 8, 63, 120], [64, 3, 90, 11, 7, 7, 100]])
@@ -190,6 +191,7 @@ def test_a_folder_saved_by_release_0_1_0_loads_with_the_package():
     torch.testing.assert_close(logits, expected["logits"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_auto_map_of_release_0_1_0_names_the_model_unit_of_today(tmp_path):
     """A Hub repo made by 0.1.0 keeps its config.json; its auto_map must name classes the current model files define
     (e.g. once the code files of the repo are replaced by today's)."""

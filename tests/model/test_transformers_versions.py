@@ -155,6 +155,7 @@ def other_pythons() -> list[str]:
     return listed
 
 
+@pytest.mark.slow
 def test_a_saved_folder_generates_the_same_tokens_through_remote_code_under_every_release(tmp_path):
     """Saved by the package under this release; loaded by remote code without the package under this release and
     under each of MEMORYFORMER_OTHER_PYTHONS: greedy tokens with the cache == without == the package's."""

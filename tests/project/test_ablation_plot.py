@@ -50,7 +50,13 @@ def test_summary_pairs_seeds_and_judges_by_non_overlapping_ranges(ablation):
                   final_training_loss=1.0) for s, p in ((0, 45.0), (1, 44.0), (2, 46.0))]
     runs += [dict(group="twin", label="Pythia twin", seed=s, validation_perplexity=p, validation_loss=1.0,
                   final_training_loss=1.0) for s, p in ((0, 50.0), (1, 50.0), (2, 56.0))]
+    runs += [dict(group="twin-lr", label="twin at 3x LR", seed=s, validation_perplexity=p, validation_loss=1.0,
+                  final_training_loss=1.0) for s, p in ((0, 47.0), (1, 48.0), (2, 49.0))]
     summary = {e["label"]: e for e in ablation.summarise(runs)}
+    # the twin's own learning rates are compared with the twin, not with the MemoryFormer
+    assert summary["twin at 3x LR"]["reference"] == "Pythia twin"
+    assert summary["twin at 3x LR"]["paired_difference"] == pytest.approx(-4.0)
+    assert summary["twin at 3x LR"]["beyond_seed_spread"]
     assert summary["close"]["paired_difference"] == pytest.approx(1.5)
     assert summary["close"]["beyond_seed_spread"] is False
     assert summary["far"]["paired_difference"] == pytest.approx(4.0) and summary["far"]["beyond_seed_spread"]

@@ -36,8 +36,8 @@ def test_ruff_reads_the_projects_configuration():
 # names where a fixture came from in a test, not what a user reads).
 OUTSIDE_REFERENCE = re.compile(r"\b(?:issue\s+#?\d+|SPEC\s+(?:section|§))", re.IGNORECASE)
 GIT_HASH = re.compile(r"\bgit\s+[0-9a-f]{7,40}\b")
-USER_DOCS = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md", "docs/kernel.md", "conversion/README.md",
-             "notebooks/README.md"]
+USER_DOCS = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md", "conversion/README.md", "notebooks/README.md",
+             *(f"docs/{path.name}" for path in sorted((ROOT / "docs").glob("*.md")))]
 
 
 def _tracked(*patterns: str) -> list[Path]:

@@ -91,6 +91,7 @@ def test_committed_notebooks_have_the_cells_build_notebooks_writes():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_from_top_to_bottom_without_error(name, tmp_path):
     nbclient, nbformat = notebook_tools()

@@ -33,6 +33,7 @@ def test_every_preset_folder_is_a_package():
         assert f"modeling_memoryformer.presets.{name}" in packages, name
 
 
+@pytest.mark.slow
 def test_the_wheel_builds_without_warnings_and_ships_presets_and_license(tmp_path):
     setuptools = pytest.importorskip("setuptools")
     if tuple(int(x) for x in setuptools.__version__.split(".")[:1]) < (77,):

@@ -1,4 +1,8 @@
-"""README.md works as written: its shell and Python blocks run on a fresh checkout, offline.
+"""README.md and the guides in docs/ work as written: their shell and Python blocks run on a fresh checkout, offline.
+
+Files: README.md first, then the guides of GUIDES in that order, as one document: a guide's block may use what the
+README or an earlier guide wrote (docs/evaluation-and-sharing.md's bucket statistics read `runs/mf`, which the
+README's Training command trains). Everything below says README for all of them.
 
 Which blocks: fenced blocks tagged ```bash, ```sh or ```shell (run with `bash -eu -o pipefail -c`) and ```python.
 Untagged fences (program output, the file layout) are not code and are not run.
@@ -60,6 +64,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# The guides whose blocks run after the README's, in this order (see the module docstring).
+GUIDES = ("training.md", "conversion.md", "evaluation-and-sharing.md", "quantization.md", "performance.md", "paper.md",
+          "limitations.md", "kernel.md")
+DOCUMENTS = (README, *(ROOT / "docs" / name for name in GUIDES))
 SHARED_TOKENIZER = ROOT.parent / "shared" / "data" / "pythia-tokenizer"
 PYTHON_RUNNER = Path(__file__).resolve().parent / "_readme_python.py"
 BLOCK_TIMEOUT = 600  # seconds, per block
@@ -93,6 +101,7 @@ SHORTER = {
 class Block:
     index: int
     line: int  # 1-based line of the opening fence
+    document: str  # "README.md" or "docs/<guide>.md"
     language: str
     section: str  # the `## ` or `### ` heading above the block ("" before the first)
     code: str
@@ -101,12 +110,13 @@ class Block:
     @property
     def id(self) -> str:
         slug = re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-")[:40] or "top"
-        return f"L{self.line}-{self.language}-{slug}"
+        where = "" if self.document == "README.md" else Path(self.document).stem + "-"
+        return f"{where}L{self.line}-{self.language}-{slug}"
 
 
-def read_blocks(text: str) -> tuple[list[Block], list[str]]:
-    """(code blocks in README order, problems with markers). A marker belongs to the fenced block whose opening
-    fence is the next line after it."""
+def read_blocks(text: str, document: str = "README.md", first_index: int = 0) -> tuple[list[Block], list[str]]:
+    """(code blocks of `text` in order, numbered from `first_index`; problems with markers, prefixed with `document`).
+    A marker belongs to the fenced block whose opening fence is the next line after it."""
     lines = text.splitlines()
     blocks, problems = [], []
     section = ""
@@ -144,17 +154,29 @@ def read_blocks(text: str) -> tuple[list[Block], list[str]]:
                 pending = None
             if language in CODE_LANGUAGES:
                 code = "\n".join(lines[i + 1:end]) + "\n"
-                blocks.append(Block(len(blocks), i + 1, language, section, code, reason))
+                blocks.append(Block(first_index + len(blocks), i + 1, document, language, section, code, reason))
             i = end + 1
             continue
         i += 1
     if pending is not None:
         problems.append(f"line {pending[0]}: marker {pending[1]!r} is not directly above a fenced block")
-    return blocks, problems
+    return blocks, [f"{document} {problem}" for problem in problems]
 
 
-README_TEXT = README.read_text(encoding="utf-8")
-BLOCKS, MARKER_PROBLEMS = read_blocks(README_TEXT)
+def read_documents() -> tuple[dict[str, str], list[Block], list[str]]:
+    """({document: text}, the blocks of every document in DOCUMENTS order, marker problems)."""
+    texts, blocks, problems = {}, [], []
+    for path in DOCUMENTS:
+        name = path.relative_to(ROOT).as_posix()
+        texts[name] = path.read_text(encoding="utf-8")
+        found, bad = read_blocks(texts[name], name, len(blocks))
+        blocks += found
+        problems += bad
+    return texts, blocks, problems
+
+
+TEXTS, BLOCKS, MARKER_PROBLEMS = read_documents()
+README_TEXT = TEXTS["README.md"]
 
 
 def runnable_code(block: Block) -> str:
@@ -225,8 +247,29 @@ def test_markers_are_read_as_the_docstring_says():
 
 def test_readme_uses_no_development_paths():
     """`../shared/...` exists in the development setup only; a reader's clone has no such folder."""
-    assert "../shared" not in README_TEXT
-    assert "/work/" not in README_TEXT
+    for name, text in TEXTS.items():
+        assert "../shared" not in text, name
+        assert "/work/" not in text, name
+
+
+def test_every_guide_in_docs_is_run_and_linked_from_the_readme():
+    guides = sorted(path.name for path in (ROOT / "docs").glob("*.md"))
+    assert guides == sorted(GUIDES), "add a new guide to GUIDES (its blocks must run) or remove it"
+    for name in GUIDES:
+        assert f"(docs/{name})" in README_TEXT, f"the README does not link docs/{name}"
+
+
+def test_readme_stays_short():
+    assert README_TEXT.count("\n") <= 300, "README.md is a front page: move detail to a guide in docs/"
+
+
+def test_relative_links_of_every_document_point_at_files_that_exist():
+    for name, text in TEXTS.items():
+        folder = (ROOT / name).parent
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            assert (folder / target).exists(), f"{name}: link to {target} which does not exist"
 
 
 def test_readme_substitutions_match_the_readme():
@@ -342,7 +385,7 @@ class ReadmeRun:
         seconds = time.perf_counter() - start
         if error is None:
             return None
-        return f"README block {block.id} failed after {seconds:.0f} s:\n{code}\n{error}"
+        return f"{block.document} block {block.id} failed after {seconds:.0f} s:\n{code}\n{error}"
 
     def _run_shell(self, code: str) -> str | None:
         try:
@@ -369,7 +412,7 @@ class ReadmeRun:
     def _run_python(self, block: Block, code: str) -> str | None:
         path = self.scratch / f"readme_{block.id.replace('-', '_')}.py"
         path.write_text(code, encoding="utf-8")
-        worker, log = self._worker(block.section)
+        worker, log = self._worker(f"{block.document}: {block.section}")
         offset = log.stat().st_size
         if worker.poll() is not None:
             return f"the interpreter of this section exited (status {worker.returncode}) before this block"
@@ -413,6 +456,7 @@ def readme_run(tmp_path_factory):
     shutil.rmtree(run.workspace, ignore_errors=True)  # some GB of models and checkpoints
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
 def test_readme_block_runs_as_written(block, readme_run):
     if block.skip_reason is not None:

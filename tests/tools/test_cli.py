@@ -39,6 +39,7 @@ def trained(tmp_path_factory):
     return root, text, out
 
 
+@pytest.mark.slow
 def test_train_command_saves_a_loadable_model_with_its_tokenizer_and_log(trained):
     _, text, out = trained
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -54,6 +55,7 @@ def test_train_command_saves_a_loadable_model_with_its_tokenizer_and_log(trained
     assert (out / "checkpoint-6").is_dir()
 
 
+@pytest.mark.slow
 def test_train_command_resumes_from_the_latest_checkpoint(trained, tmp_path):
     _, text, out = trained
     code = cli.main(["train", "--out", str(out), "--data", str(text), "--vocab-size", "300", "--hidden-size", "32",
@@ -65,6 +67,7 @@ def test_train_command_resumes_from_the_latest_checkpoint(trained, tmp_path):
     assert state["global_step"] == 8
 
 
+@pytest.mark.slow
 def test_buckets_command_on_the_trained_model(trained, capsys):
     root, text, out = trained
     report = root / "buckets"
@@ -75,6 +78,7 @@ def test_buckets_command_on_the_trained_model(trained, capsys):
     assert (report / "buckets.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_train_command_continues_a_saved_model_with_its_own_tokenizer(trained, tmp_path):
     _, text, out = trained
     code = cli.main(["train", "--model", str(out), "--out", str(tmp_path / "more"), "--data", str(text),
@@ -94,6 +98,7 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path, capsys):
     assert "error: --max-steps must be >= 1, got 0" in capsys.readouterr().err  # the flag, not the field
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_trains_nothing_and_says_so(trained, tmp_path, capsys):
     _, text, _ = trained
     out = tmp_path / "run"
@@ -119,6 +124,7 @@ def test_resuming_a_finished_run_trains_nothing_and_says_so(trained, tmp_path, c
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
 
 
+@pytest.mark.slow
 def test_train_states_its_evaluation_and_logging_schedule(trained, tmp_path, capsys):
     _, text, _ = trained
     argv = ["train", "--out", str(tmp_path / "run"), "--data", str(text), *TINY_TRAIN, "--max-steps", "3",
@@ -131,6 +137,7 @@ def test_train_states_its_evaluation_and_logging_schedule(trained, tmp_path, cap
     assert "pass one of them" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_runs_with_int8_tables_and_head_and_says_how_much_it_holds(capsys):
     """`generate --table-dtype int8 --lm-head-dtype int8` runs and reports the bytes it holds; the oracle counts them
     from the shapes: a byte per table or head value, a float32 scale and offset per table row, a float32 scale per

@@ -30,6 +30,7 @@ def test_a_spinning_process_shows_as_about_one_core_of_others():
     assert cores is not None and 0.7 <= cores <= os.cpu_count() + 0.1, cores
 
 
+@pytest.mark.slow
 def test_this_process_own_work_is_not_counted_as_others():
     def others(spin: bool) -> float:
         before = cpu_snapshot()

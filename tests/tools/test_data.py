@@ -234,6 +234,7 @@ def test_default_tokenizer_is_trained_on_the_training_text_only(text, tmp_path):
     assert data.description.endswith("last 10% held out, byte-level BPE 500")
 
 
+@pytest.mark.slow
 def test_default_data_is_the_standard_library_split_by_file_and_large_enough_to_see_once():
     import sysconfig
     import tokenize

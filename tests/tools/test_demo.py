@@ -17,6 +17,10 @@ TINY_DEMO = dict(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attent
                  expand_bits=1, block_size=32, batch_size=4, max_steps=4, eval_points=2, decode_tokens=4,
                  prompt_tokens=4)
 
+# Slow tier (`make test` only, not `make test-fast`): the module's demo run, which nearly every test reads, takes
+# tens of seconds.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
@@ -146,6 +150,8 @@ def test_speed_rows_are_medians_of_alternated_rounds_with_the_load_recorded(demo
             assert len(timings["seconds"]) == 3
             assert timings["tokens"] == (4 * 32 if workload == "train" else 4)
             assert model[key] == pytest.approx(timings["tokens"] / statistics.median(timings["seconds"]))
+    stream = speed["memory_stream_gbps"]
+    assert 0 < stream["min"] <= stream["median"] <= stream["max"]
     loads = [w["other_cores"] for m in speed["models"].values() for w in m.values()]
     assert speed["busy"] == (max(loads) > speed["threshold"])
     report = format_report(dict(summary, speed=dict(speed, busy=True, other_cores=0.9, max_other_cores=1.2)))

@@ -36,6 +36,7 @@ LAUNCHERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_ddp_matches_single_process(tmp_path, launcher):
     """2 processes (gloo) at 2 sequences each = one process at 4: the same global batches, so the same losses up to
@@ -57,6 +58,7 @@ def test_ddp_matches_single_process(tmp_path, launcher):
     assert list(two["grad_norms"].values()) == pytest.approx(list(one["grad_norms"].values()), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_ddp_with_a_table_rule_matches_single_process(tmp_path):
     """`--table-optimizer adam_rowwise` on 2 DDP ranks: the tables are kept out of DDP and each hook averages its
     table's gradient over the ranks before the row-wise update, so the run equals one process at the same global
@@ -79,6 +81,7 @@ def test_ddp_with_a_table_rule_matches_single_process(tmp_path):
     assert one["losses"][1:] != pytest.approx(adamw["losses"][1:], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_tables_give_the_single_process_gradients(tmp_path):
     """`shard_model` (FSDP2 by `_no_split_modules`) over 2 gloo ranks: every table is split in half across ranks and
     the gradients, gathered, equal a single float64 model's on the whole batch."""
@@ -126,6 +129,7 @@ def _run_fsdp_worker(tmp_path, name: str, ranks: int, launcher: list[str] | None
     return json.loads(open(spec["result"]).read())
 
 
+@pytest.mark.slow
 def test_fsdp_training_matches_one_process_shards_the_tables_and_resumes_exactly(tmp_path):
     """`TrainingSettings(fsdp=True)` on 2 gloo ranks at 2 sequences each = one process at 4 (float32, relative 1e-4
     per step); each rank holds half of every table; the final model, saved whole, loads with from_pretrained in
@@ -172,6 +176,7 @@ def test_fsdp_with_a_table_optimizer_is_refused_with_the_reason(tmp_path):
         TrainingSettings(output_dir=str(tmp_path / "run"), fsdp=True, table_optimizer="rowwise_adagrad")
 
 
+@pytest.mark.slow
 def test_accelerate_launch_use_fsdp_shards_on_cpu_and_saves_a_loadable_model(tmp_path):
     """`accelerate launch --use_fsdp --fsdp_version 2` (its FSDP_* variables, no fsdp in the settings): the Trainer
     shards on CPU (accelerate alone would train DDP), one FSDP unit per decoder layer, and the final model is written

@@ -154,6 +154,7 @@ def random_text(words: int, seed: int = 0) -> str:
     return " ".join(CONTENT_WORDS[i] for i in torch.randint(0, len(CONTENT_WORDS), (words,), generator=generator))
 
 
+@pytest.mark.slow
 def test_perplexity_of_a_text_within_one_window_is_the_full_context_token_by_token_nll(tokenizer, tmp_path):
     model = tiny_model(dtype=torch.float64)
     text = random_text(40)
@@ -171,6 +172,7 @@ def test_perplexity_of_a_text_within_one_window_is_the_full_context_token_by_tok
     assert perplexity(model, tokenizer, path, context_length=64)["nll_sum"] == pytest.approx(expected, rel=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_perplexity_windows_score_every_token_once_with_its_window_context(tokenizer, batch_size):
     """Windows of L tokens start every S tokens; token j is scored by the first window reaching past it, whose
@@ -216,6 +218,7 @@ def test_perplexity_rejects_bad_input_with_a_clear_error(tokenizer, text, settin
 
 # ----------------------------------------------------------------------------------------------------------------------
 # lm-evaluation-harness
+@pytest.mark.slow
 def test_paper_tasks_are_the_harness_multiple_choice_tasks_of_the_paper():
     """WSC is SuperGLUE's (104 validation questions, the denominator of every WSC score in the paper)."""
     from lm_eval.tasks import TaskManager
@@ -266,6 +269,7 @@ def test_harness_accuracy_is_one_zero_and_the_oracle_fraction_for_a_constant_mod
     assert summary["num_fewshot"] == 0 and summary["lm_eval_version"] == lm_eval.__version__
 
 
+@pytest.mark.slow
 def test_harness_scores_choices_by_the_models_own_context_dependent_loglikelihoods(tokenizer, tmp_path):
     """A random tiny model (float64): each choice's log-likelihood equals one direct forward of prompt + choice,
     through the harness's batching and padding; `limit` keeps the first documents only."""
@@ -345,12 +349,14 @@ def test_evaluate_tasks_rejects_bad_input_with_a_clear_error(tokenizer, tasks, s
         evaluate_tasks(tiny_model(), tokenizer, tasks, **settings)
 
 
+@pytest.mark.slow
 def test_an_unknown_task_name_is_reported_with_the_closest_names(tokenizer, tmp_path):
     write_task(tmp_path, "certain_right", certain_rows(gold_is_certain=True))
     with pytest.raises(ValueError, match=r"unknown task 'certain_rigth' \(did you mean certain_right"):
         evaluate_tasks(tiny_model(), tokenizer, ["certain_rigth"], include_path=tmp_path)
 
 
+@pytest.mark.slow
 def test_task_data_out_of_reach_says_how_to_evaluate_offline(tokenizer):
     with pytest.raises(ConnectionError, match=r"--export-tasks DIR --tasks piqa.*--include-path DIR"):
         evaluate_tasks(tiny_model(), tokenizer, ["piqa"], limit=2)

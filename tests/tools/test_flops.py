@@ -157,6 +157,7 @@ def test_cli_flops_rejects_an_unknown_preset(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 def test_installed_console_script_prints_the_table():
     script = Path(sys.executable).parent / "memoryformer"
     assert script.exists(), f"console script not installed next to {sys.executable}"

@@ -204,6 +204,7 @@ def pushed(hub, tmp_path_factory):
     return {"model": model, "tokenizer": tokenizer, "folder": work / "model", "stdout": result.stdout}
 
 
+@pytest.mark.slow
 def test_push_uploads_everything_in_one_commit(pushed, hub):
     repo = hub.repos[REPO_ID]
     assert len(repo.commits) == 1
@@ -216,6 +217,7 @@ def test_push_uploads_everything_in_one_commit(pushed, hub):
     assert pushed["stdout"].strip().splitlines()[-1] == f"{hub.url}/{REPO_ID}/commit/{repo.head.oid}"
 
 
+@pytest.mark.slow
 def test_pushed_weights_and_config_are_the_model(pushed, hub):
     weights = load_safetensors(hub.read_file(REPO_ID, "model.safetensors"))
     state = pushed["model"].state_dict()
@@ -228,6 +230,7 @@ def test_pushed_weights_and_config_are_the_model(pushed, hub):
     assert (generation["max_new_tokens"], generation["do_sample"]) == (12, False)
 
 
+@pytest.mark.slow
 def test_pushed_readme_is_the_card_for_the_repo(pushed, hub):
     readme = hub.read_file(REPO_ID, "README.md").decode()
     assert readme == model_card(pushed["model"], tokenizer=pushed["tokenizer"], provenance=PROVENANCE,
@@ -303,6 +306,7 @@ def greedy_text(model, tokenizer, prompt: str, **generate_kwargs) -> str:
     return prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_remote_code_from_the_hub_reproduces_logits_and_greedy_text(pushed, hub, tmp_path):
     model, tokenizer = pushed["model"], pushed["tokenizer"]
     input_ids = torch.tensor([[5, 17, 99, 42, 8, 63, 120, 250], [64, 3, 90, 11, 7, 7, 100, 299]])
@@ -346,6 +350,7 @@ QUANTIZED_CHILD = WITHOUT_THE_PACKAGE + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_quantized_model_round_trips_through_the_hub_with_remote_code(quiet_hub, tmp_path):
     """int8 tables and head pushed by `push_to_hub`: safetensors holding the codes, scales and offsets as tensors,
     and a process without the package rebuilds the same int8 model from the repo id (logits bit for bit)."""
@@ -388,6 +393,7 @@ def test_push_to_hub_cards_the_given_tags(quiet_hub, tmp_path):
     assert readme == model_card(model, repo_id=repo_id, tags=["my-tag"])
 
 
+@pytest.mark.slow
 def test_model_push_to_hub_method_uploads_with_the_transformers_card(pushed, hub, tmp_path):
     repo_id = "tester/mf-method-push"
     code = ("import sys\nimport modeling_memoryformer\nfrom transformers import AutoModelForCausalLM\n"

@@ -127,6 +127,7 @@ def test_latest_skips_an_interrupted_checkpoint_and_says_why(fresh_run, damage):
     assert any(reason in problem for problem in skipped[0][1]), skipped
 
 
+@pytest.mark.slow
 def test_resume_latest_continues_from_the_newest_complete_checkpoint(fresh_run, capsys):
     broken = interrupted_checkpoint_6(fresh_run)
     result = train(trainable_model(seed=5), synthetic_lm_data(),
@@ -335,6 +336,7 @@ def leftovers(parent) -> list[str]:
     return sorted(p.name for p in parent.rglob("*") if p.name.endswith((".incomplete", ".old")))
 
 
+@pytest.mark.slow
 def test_convert_overwrite_on_a_full_disk_keeps_the_earlier_output_and_says_so_in_one_line(tmp_path):
     source = tmp_path / "pythia"
     torch.manual_seed(0)
@@ -352,6 +354,7 @@ def test_convert_overwrite_on_a_full_disk_keeps_the_earlier_output_and_says_so_i
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails_at", ["checkpoint", "final model"])
 def test_train_overwrite_on_a_full_disk_keeps_the_earlier_model_and_says_so_in_one_line(tmp_path, fails_at):
     out = tmp_path / "run"

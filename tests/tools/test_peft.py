@@ -172,6 +172,7 @@ def test_only_lora_parameters_are_trainable():
     assert sum(trainable.values()) == TINY["num_hidden_layers"] * per_block
 
 
+@pytest.mark.slow
 def test_memory_layer_lora_training_reduces_the_loss_and_leaves_the_base_frozen(ids):
     model = peft_model("memory_layers")
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
@@ -330,6 +331,7 @@ def test_table_lora_output_is_the_lookup_in_the_updated_tables():
     assert not torch.allclose(expected, lookup(base, x))
 
 
+@pytest.mark.slow
 def test_table_lora_training_reduces_the_loss(ids):
     model = peft_model("tables")
     tables = [m.tables.detach().clone() for m in model.modules() if type(m) is MemoryLayer]
@@ -366,6 +368,7 @@ def test_table_lora_merge_and_unload_matches_the_unmerged_model(ids):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # (c) The LM head: modules_to_save or LoRA, with either kind.
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["memory_layers", "tables"])
 def test_lm_head_modules_to_save_round_trips_the_trained_head(tmp_path, ids, kind):
     model = peft_model(kind, include_lm_head=True)
@@ -423,6 +426,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(ids, kind):
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_trainer_trains_a_peft_memoryformer(tmp_path):
     model = peft_model("memory_layers", include_lm_head=True, lm_head_mode="lora")
     before = lora_weights(model)

@@ -28,6 +28,7 @@ def prefix_nll(model, tokens: list[int], first: int = 1, context: int | None = N
     return out
 
 
+@pytest.mark.slow
 def test_blocks_perplexity_is_exp_of_the_mean_token_nll_of_each_block_on_its_own():
     model = tiny_model()
     ids = torch.randint(0, model.config.vocab_size, (5, 9), generator=torch.Generator().manual_seed(0))
@@ -37,6 +38,7 @@ def test_blocks_perplexity_is_exp_of_the_mean_token_nll_of_each_block_on_its_own
         assert blocks_perplexity(model, ids, batch_size=batch_size) == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_text_perplexity_scores_every_token_once_with_the_windows_context():
     class Tokenizer:  # whitespace-separated integers -> those ids
         def __call__(self, text, **kwargs):

@@ -63,6 +63,7 @@ def slow_first_load(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_generate_prints_the_line_first_and_times_the_forward_without_the_load(slow_first_load, capsys):
     assert cli.main(["generate", "--preset", "tiny", "--layers", "1", "--new-tokens", "2", "--seq-len", "16"]) == 0
     out = capsys.readouterr().out

@@ -159,6 +159,7 @@ def batch(seed):
     return torch.randint(0, 128, (2, 12), generator=generator)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam_rowwise"])
 def test_optimizer_equals_adamw_on_dense_parameters_and_the_rule_on_tables(rule):
     """Three steps of a tiny MemoryFormer: TableAdamW against a copy trained by torch.optim.AdamW on the dense
@@ -368,6 +369,7 @@ def test_update_in_the_backward_equals_the_rule_on_the_whole_gradient(kernel, ru
     assert len(seen) == 8  # 4 groups per step, none the whole 160-row table
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_update_in_the_backward():
     """Decoder layers recomputed in the backward (non-reentrant checkpointing) run the lookup again; the tables are
     still updated once per step, to the same values as without checkpointing."""
@@ -494,6 +496,7 @@ def settings(out, **overrides) -> TrainingSettings:
     return TrainingSettings(**{**fields, **overrides})
 
 
+@pytest.mark.slow
 def test_trainer_resume_with_a_table_optimizer_equals_the_uninterrupted_run(tmp_path):
     from transformers import TrainerCallback
 
@@ -522,6 +525,7 @@ def test_trainer_resume_with_a_table_optimizer_equals_the_uninterrupted_run(tmp_
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_each_rule_learns_the_bigram_as_well_as_adamw(tmp_path):
     """30 steps on the synthetic bigram (ln 128 = 4.85 at the start): measured 1.08 for AdamW, 0.90 rowwise_adagrad,
     0.12 adam_rowwise."""
@@ -607,6 +611,7 @@ def test_table_lr_multiplier_scales_the_rule_and_the_schedule_keeps_the_ratio(tm
         settings(tmp_path, table_optimizer="rowwise_adagrad", table_lr_multiplier=0.0)
 
 
+@pytest.mark.slow
 def test_bf16_tables_train_with_a_rule_and_adamw_on_them_is_refused(tmp_path):
     """table_dtype='bfloat16': tables in bfloat16, everything else float32; a table rule trains them (stochastic
     rounding) as well as float32 tables on the bigram, and AdamW on them is refused with the fix."""

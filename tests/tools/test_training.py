@@ -64,6 +64,7 @@ def test_no_weight_decay_exactly_on_biases_and_norms(tmp_path):
     assert optimizer.defaults["betas"] == (0.9, 0.95) and optimizer.defaults["eps"] == 1e-8
 
 
+@pytest.mark.slow
 def test_schedule_is_linear_warmup_then_cosine_to_one_percent(tmp_path):
     peak, steps, warmup_ratio = 3e-3, 20, 0.1
     result = train(trainable_model(), synthetic_lm_data(), settings(
@@ -83,6 +84,7 @@ def test_schedule_is_linear_warmup_then_cosine_to_one_percent(tmp_path):
     assert oracle(steps) == pytest.approx(0.01 * peak)
 
 
+@pytest.mark.slow
 def test_training_learns_and_reports_perplexity(tmp_path):
     data = synthetic_lm_data()
     result = train(trainable_model(), data, settings(tmp_path, max_steps=60, eval_steps=30, warmup_ratio=0.05))
@@ -96,6 +98,7 @@ def test_training_learns_and_reports_perplexity(tmp_path):
     assert all(e["eval_perplexity"] == pytest.approx(math.exp(e["eval_loss"])) for e in evals)
 
 
+@pytest.mark.slow
 def test_csv_log_has_one_row_per_logged_step(tmp_path):
     result = train(trainable_model(), synthetic_lm_data(), settings(tmp_path, report_to="csv", logging_steps=2))
     with open(tmp_path / "log.csv", newline="") as f:
@@ -108,6 +111,7 @@ def test_csv_log_has_one_row_per_logged_step(tmp_path):
     assert any(r["eval_perplexity"] for r in rows)
 
 
+@pytest.mark.slow
 def test_final_model_and_tokenizer_are_saved_and_reload(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -119,6 +123,7 @@ def test_final_model_and_tokenizer_are_saved_and_reload(tmp_path):
         torch.testing.assert_close(again(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_trains(tmp_path):
     result = train(trainable_model(), synthetic_lm_data(), settings(tmp_path, bf16=True, max_steps=4))
     losses = [e["loss"] for e in result.log_history if "loss" in e]
@@ -137,6 +142,7 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     data = synthetic_lm_data()
     common = dict(max_steps=8, save_steps=4, eval_steps=8, warmup_ratio=0.25, report_to="csv")
@@ -177,6 +183,7 @@ def test_invalid_settings_name_the_field(tmp_path, field, value):
         settings(tmp_path, **{field: value})
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_trains_nothing_and_writes_no_checkpoint(tmp_path, capsys):
     data = synthetic_lm_data()
     finished_model = trainable_model()
@@ -197,6 +204,7 @@ def test_resuming_a_finished_run_trains_nothing_and_writes_no_checkpoint(tmp_pat
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_resuming_past_max_steps_trains_nothing(tmp_path, capsys):
     data = synthetic_lm_data()
     train(trainable_model(), data, settings(tmp_path, max_steps=6, save_steps=6))
@@ -206,6 +214,7 @@ def test_resuming_past_max_steps_trains_nothing(tmp_path, capsys):
     assert result.steps == 6 and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_steps,eval_points,expected_eval_steps", [
     (6, None, [6]),  # default: 10 evaluations at least 10 steps apart -> a short run evaluates once, at the end
     (10, None, [10]),
@@ -232,6 +241,7 @@ def test_default_intervals_scale_with_max_steps(tmp_path, max_steps, eval_every,
     assert evaluation_interval(explicit) == 7 and logging_interval(explicit) == 3
 
 
+@pytest.mark.slow
 def test_default_logging_logs_about_50_times_a_run(tmp_path):
     result = train(trainable_model(), synthetic_lm_data(train_blocks=128),
                    settings(tmp_path, max_steps=60, logging_steps=None, eval_steps=60))

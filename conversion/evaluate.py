@@ -1,13 +1,12 @@
-"""How close a converted MemoryFormer is to its teacher: per-layer errors and held-out perplexity."""
+"""How close a converted MemoryFormer is to its teacher: per-layer errors. (Held-out perplexity is
+`evaluation.perplexity.blocks_perplexity`, the one implementation.)"""
 
 from __future__ import annotations
-
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..evaluation.perplexity import blocks_perplexity as perplexity  # the one implementation, under its old name
 from .mapping import MEMORY_LAYER_NAMES, DenseLayer
 
 
@@ -54,4 +53,4 @@ def _remember_input(store: dict):
     return hook
 
 
-__all__ = ["layer_errors", "perplexity"]
+__all__ = ["layer_errors"]

@@ -52,7 +52,7 @@ class ConvertSettings:
     batch_size: int = option(8, "distillation batch size")
     seed: int = option(0, "seed of the calibration sample and of distillation")
     overwrite: bool = option(False, "replace an existing --out folder")
-    progress: bool = option(True, "no progress bars (default: progress bars shown)", flag="--quiet")
+    progress: bool = option(True, "no progress bars (default: progress bars shown)", flag="--no-progress")
 
     @property
     def resolved_init(self) -> str:

@@ -393,7 +393,7 @@ def test_calibrated_command_reports_every_stage(teacher_with_tokenizer, tmp_path
     out = tmp_path / "converted"
     settings = parse_settings(
         ["convert", "--from", str(teacher_with_tokenizer), "--out", str(out), "--calib-text", TEXT, "--hash-bits", "4", "--seq-len", "32",
-         "--calib-tokens", "2048", "--eval-tokens", "512", "--sweeps", "3", "--distill-steps", "2", "--quiet"]
+         "--calib-tokens", "2048", "--eval-tokens", "512", "--sweeps", "3", "--distill-steps", "2", "--no-progress"]
     )
     assert convert.run_convert(*settings) == 0
     report = json.loads((out / "conversion_report.json").read_text())

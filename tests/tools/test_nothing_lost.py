@@ -343,7 +343,7 @@ def test_convert_overwrite_on_a_full_disk_keeps_the_earlier_output_and_says_so_i
     GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                      intermediate_size=128, max_position_embeddings=64)).save_pretrained(source)
     out = tmp_path / "converted"
-    convert = ["convert", "--from", source, "--out", out, "--hash-bits", "4", "--overwrite", "--quiet"]
+    convert = ["convert", "--from", source, "--out", out, "--hash-bits", "4", "--overwrite", "--no-progress"]
     first = run_limited(convert, None, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     earlier = snapshot(out)

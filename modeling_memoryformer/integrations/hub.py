@@ -347,6 +347,8 @@ def run_push(settings: PushSettings) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or folder)
+    if settings.preview_card:
+        return _preview_card(model, tokenizer, settings)
     try:
         url = push_to_hub(
             model, settings.repo_id, tokenizer=tokenizer, provenance=settings.provenance, private=settings.private,
@@ -360,6 +362,34 @@ def run_push(settings: PushSettings) -> int:
         print(f"error: the Hub refused the upload to {settings.repo_id!r}: {error}", file=sys.stderr)
         return 1
     print(url)
+    return 0
+
+
+def _preview_card(model, tokenizer, settings: PushSettings) -> int:
+    """Write the card `push` would upload to `settings.preview_card` (complete or not at all) without the Hub: the
+    repo id is shown as given (a bare name stays bare; the push would put it under the token's account)."""
+    try:
+        card = model_card(model, repo_id=settings.repo_id, tokenizer=tokenizer, provenance=settings.provenance,
+                          base_model=settings.base_model, datasets=settings.datasets, license=settings.license)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    path = Path(settings.preview_card)
+    if path.is_dir():
+        print(f"error: --preview-card {str(path)!r} is a folder; pass a file path such as card.md.", file=sys.stderr)
+        return 2
+    if not path.parent.is_dir():
+        print(f"error: --preview-card {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it or pass "
+              "a path in an existing folder.", file=sys.stderr)
+        return 2
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with write_errors_named(str(path), "No card was written."):
+            partial.write_text(card, encoding="utf-8")
+            partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+    print(f"model card written to {path} (nothing uploaded)")
     return 0
 
 

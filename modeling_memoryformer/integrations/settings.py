@@ -29,4 +29,7 @@ class PushSettings:
     license: str = option("apache-2.0", "license of the model card")
     private: bool = option(False, "create the repo private (an existing repo is unchanged)")
     commit_message: str = option(DEFAULT_COMMIT_MESSAGE, "message of the Hub commit")
+    preview_card: str | None = option(
+        None, "write the model card to this file and stop: nothing is uploaded and the Hub is not contacted (an "
+        "offline preview of what the push would write)", metavar="FILE")
     # repo_id: integrations.hub.check_repo_id; model: the folder is read by run_push

@@ -477,3 +477,27 @@ def test_card_names_the_dense_twin_once(preset, expected):
     text = " ".join(_comparison_text(config, 512).split())
     assert expected in text
     assert "twin GPT-NeoX twin" not in text and "twin pythia-70m: a GPT-NeoX" not in text
+
+
+def test_preview_card_writes_the_card_offline_and_uploads_nothing(tmp_path, monkeypatch, capsys):
+    from modeling_memoryformer.integrations import hub as hub_module
+
+    model, tokenizer = hub_model(), byte_level_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(hub_module, "HfApi", None)  # any use of the Hub client fails the test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    card_path = tmp_path / "card.md"
+    settings = push_args("--model", str(tmp_path / "model"), "--repo-id", "you/mf-demo", "--provenance", "a test",
+                         "--preview-card", str(card_path))
+    assert hub_module.run_push(settings) == 0
+    assert "nothing uploaded" in capsys.readouterr().out
+    loaded = MemoryFormerForCausalLM.from_pretrained(tmp_path / "model")
+    expected = hub_module.model_card(loaded, repo_id="you/mf-demo", tokenizer=tokenizer, provenance="a test")
+    assert card_path.read_text(encoding="utf-8") == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["card.md", "model"]  # no partial file left
+
+    missing = push_args("--model", str(tmp_path / "model"), "--repo-id", "you/mf-demo",
+                        "--preview-card", str(tmp_path / "no-such-folder" / "card.md"))
+    assert hub_module.run_push(missing) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -102,7 +102,8 @@ def measure_speed(models: dict[str, torch.nn.Module], batch: torch.Tensor, promp
                   rounds: int = 10, progress: bool = True) -> dict:
     """Training-step and decode tokens/s of each model in `models`, alternated over `rounds` rounds (medians), with
     the load of the machine: {"models": {name: {"train": ..., "decode": ...}}, "rounds", "other_cores" (mean over
-    all timings), "max_other_cores" (the busiest model-workload), "busy" (any above NOISY_CORES), "threshold"}."""
+    all timings), "max_other_cores" (the busiest model-workload), "busy" (any above NOISY_CORES), "threshold",
+    "memory_stream_gbps" (median, min and max of the per-round probe)}."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}.")
     names = list(models)

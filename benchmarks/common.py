@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import gc
 import math
 import os
@@ -19,7 +18,9 @@ from dataclasses import dataclass, field
 
 from modeling_memoryformer.evaluation.cpu_load import (  # re-exported: the benchmarks import them from here
     NOISY_CORES,
+    STREAM_PROBE_MB,  # noqa: F401
     cpu_snapshot,
+    memory_stream_gbps,  # noqa: F401
     other_cores_since,  # noqa: F401
     other_cpu_since,
 )
@@ -196,31 +197,9 @@ def wait_for_quiet(max_wait_s: float, probe_s: float = 0.5, threshold: float = N
             return max(0.0, waited)
 
 
-# The other guests of a shared host (a VM's neighbours) do not show in this guest's /proc/stat, but their memory
-# traffic slows what streams tables from L3 and DRAM (the Memory Layer) far more than what computes from registers
-# (nn.Linear): on a 2-vCPU AMD EPYC guest the same bf16 lookup took 1.9x as long at one hour as at another while
-# nn.Linear took 1.3x, with 0.01 cores of other processes in the guest. A short stream over a buffer four times the
-# size of a 32 MB L3, timed next to every cell, records that.
-STREAM_PROBE_MB = 128
+# The memory-stream probe (memory_stream_gbps, STREAM_PROBE_MB, imported above) lives in the package's
+# evaluation.cpu_load, where the demo's speed rows use it too.
 NOISY_STREAM = 0.8  # a cell whose probe streamed below this fraction of the section's best is marked
-
-
-@functools.lru_cache(maxsize=1)
-def _stream_buffer():  # -> torch.Tensor (torch imported here: this module is imported before torch is needed)
-    import torch
-
-    return torch.ones(STREAM_PROBE_MB * (1 << 20) // 4, dtype=torch.float32)
-
-
-def memory_stream_gbps(repeats: int = 3) -> float:
-    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`."""
-    buffer = _stream_buffer()
-    best = math.inf
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return round(buffer.numel() * buffer.element_size() / best / 1e9, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ trained on it in seconds), so it needs no file and no network.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -198,30 +199,26 @@ def estimate_seconds(models: dict, data, settings: DemoSettings) -> dict[str, fl
     evaluation_batches = math.ceil(len(data.validation) / settings.batch_size)
     parts = {"training": 0.0, "evaluation": 0.0, "speed measurement": 0.0, "other": 10.0}
     for model in models.values():
-        step = training_step(model, batch)
-        step()
-        start = time.perf_counter()
-        step()
-        step()
-        step_seconds = (time.perf_counter() - start) / 2
-        del step
+        step_seconds = _seconds_per_call(training_step(model, batch), calls=2)  # the copy is freed on return
         model.eval()
         with torch.inference_mode():
-            model(input_ids=batch)
-            start = time.perf_counter()
-            model(input_ids=batch)
-            forward_seconds = time.perf_counter() - start
-        decode = greedy_decode(model, prompt, 8)
-        decode()
-        start = time.perf_counter()
-        decode()
-        token_seconds = (time.perf_counter() - start) / 8
+            forward_seconds = _seconds_per_call(functools.partial(model, input_ids=batch))
+        token_seconds = _seconds_per_call(greedy_decode(model, prompt, 8)) / 8
         model.train()
         parts["training"] += settings.max_steps * step_seconds
         parts["evaluation"] += settings.eval_points * evaluation_batches * forward_seconds
         parts["speed measurement"] += (settings.speed_rounds + 1) * (step_seconds + settings.decode_tokens * token_seconds)
         parts["other"] += evaluation_batches * forward_seconds + settings.decode_tokens * token_seconds  # buckets, samples
     return parts
+
+
+def _seconds_per_call(fn, calls: int = 1) -> float:
+    """Seconds per call of `fn`, the mean of `calls` timed calls after one untimed (warm-up) call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def run_demo(settings: DemoSettings) -> dict:
@@ -276,7 +273,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
         "Pythia twin": twin_lr,
     }
     folders = {"MemoryFormer": "memoryformer", "Pythia twin": "pythia-twin"}
-    prompt = data.validation[0]["input_ids"][: settings.prompt_tokens].unsqueeze(0)
+    prompt = data.validation.input_ids[:1, : settings.prompt_tokens]
     tokens_per_step = settings.batch_size * settings.block_size
     budget = settings.max_steps * tokens_per_step
     epochs = budget / data.num_train_tokens

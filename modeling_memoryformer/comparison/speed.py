@@ -21,19 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..evaluation.cpu_load import NOISY_CORES, cpu_snapshot, other_cpu_since
-
-STREAM_PROBE_BYTES = 128 << 20  # four times a 32 MB L3: the probe reads DRAM
-
-
-def memory_stream_gbps(buffer: torch.Tensor) -> float:
-    """GB/s of one `torch.sum` over `buffer` (all threads). The other guests of a shared host do not show in this
-    machine's /proc/stat, but their memory traffic slows what streams from DRAM: the MemoryFormer's optimizer step
-    over its large tables far more than the twin's. The probe beside the timings records it."""
-    start = time.perf_counter()
-    buffer.sum()
-    return buffer.numel() * buffer.element_size() / (time.perf_counter() - start) / 1e9
-
+from ..evaluation.cpu_load import NOISY_CORES, cpu_snapshot, memory_stream_gbps, other_cpu_since, stream_buffer
 
 @dataclass
 class Timings:
@@ -113,12 +101,11 @@ def measure_speed(models: dict[str, torch.nn.Module], batch: torch.Tensor, promp
     for name in names:  # warm-up: first calls allocate, plan and fill caches
         for fn, _ in work[name].values():
             fn()
-    probe = torch.ones(STREAM_PROBE_BYTES // 4)
-    memory_stream_gbps(probe)
+    memory_stream_gbps(repeats=1)  # allocates the probe's buffer, untimed, and reads it once
     streams = []
     with tqdm(total=rounds * len(names) * 2, desc="timing both models, alternated", disable=not progress) as bar:
         for r in range(rounds):
-            streams.append(memory_stream_gbps(probe))
+            streams.append(memory_stream_gbps(repeats=1))
             order = names[r % len(names):] + names[:r % len(names)]
             for workload in ("train", "decode"):
                 for name in order:
@@ -126,7 +113,8 @@ def measure_speed(models: dict[str, torch.nn.Module], batch: torch.Tensor, promp
                     timings.time(fn)
                     bar.update(1)
     results = {name: {workload: timings.summary() for workload, (_, timings) in work[name].items()} for name in names}
-    del work, probe  # the training copies and their optimizer state
+    del work  # the training copies and their optimizer state
+    stream_buffer.cache_clear()
     loads = [w["other_cores"] for r in results.values() for w in r.values() if w["other_cores"] is not None]
     wall = sum(w["wall_seconds"] for r in results.values() for w in r.values())
     other = sum(w["other_cpu_seconds"] for r in results.values() for w in r.values())

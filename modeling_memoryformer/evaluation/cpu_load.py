@@ -1,12 +1,16 @@
-"""How busy the machine was while something was timed: CPU used by other processes, from /proc/stat.
+"""How busy the machine was while something was timed: CPU used by other processes, from /proc/stat, and a
+memory-stream probe for what /proc/stat cannot see.
 
 On a machine of a few cores, one busy core slows every parallel op of torch's thread pool, so a timing means little
 without the load beside it. Other processes' CPU = (busy jiffies of the whole machine, steal included) - (this
-process's own CPU time, children included). Standard library only; None or zeros where /proc/stat is missing.
+process's own CPU time, children included). Standard library only at import (torch is imported by the probe); None or
+zeros where /proc/stat is missing.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import time
 
@@ -45,3 +49,29 @@ def other_cores_since(before) -> float | None:
     """Average number of cores other processes kept busy since `before` = cpu_snapshot() (None without /proc)."""
     wall, other = other_cpu_since(before)
     return round(other / wall, 3) if wall > 0 else None
+
+
+# The other guests of a shared host (a VM's neighbours) do not show in this guest's /proc/stat, but their memory
+# traffic slows what streams tables from L3 and DRAM (the Memory Layer, the optimizer step over its tables) far more
+# than what computes from registers (nn.Linear): on a 2-vCPU AMD EPYC guest the same bf16 lookup took 1.9x as long at
+# one hour as at another while nn.Linear took 1.3x, with 0.01 cores of other processes in the guest. A short stream
+# over a buffer four times the size of a 32 MB L3, timed next to a measurement, records that.
+STREAM_PROBE_MB = 128
+
+
+@functools.lru_cache(maxsize=1)
+def stream_buffer():  # -> torch.Tensor; `stream_buffer.cache_clear()` gives its 128 MB back
+    import torch
+
+    return torch.ones(STREAM_PROBE_MB * (1 << 20) // 4, dtype=torch.float32)
+
+
+def memory_stream_gbps(repeats: int = 3) -> float:
+    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`."""
+    buffer = stream_buffer()
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return round(buffer.numel() * buffer.element_size() / best / 1e9, 2)

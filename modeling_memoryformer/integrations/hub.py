@@ -347,13 +347,13 @@ def run_push(settings: PushSettings) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or folder)
+    card = dict(tokenizer=tokenizer, provenance=settings.provenance, base_model=settings.base_model,
+                datasets=settings.datasets, license=settings.license)  # what the card shows, pushed or previewed
     if settings.preview_card:
-        return _preview_card(model, tokenizer, settings)
+        return _preview_card(model, settings.repo_id, settings.preview_card, card)
     try:
         url = push_to_hub(
-            model, settings.repo_id, tokenizer=tokenizer, provenance=settings.provenance, private=settings.private,
-            commit_message=settings.commit_message, base_model=settings.base_model, datasets=settings.datasets,
-            license=settings.license,
+            model, settings.repo_id, private=settings.private, commit_message=settings.commit_message, **card,
         )
     except ValueError as error:  # e.g. a tokenizer larger than the model's vocabulary
         print(f"error: {error}", file=sys.stderr)
@@ -365,16 +365,15 @@ def run_push(settings: PushSettings) -> int:
     return 0
 
 
-def _preview_card(model, tokenizer, settings: PushSettings) -> int:
-    """Write the card `push` would upload to `settings.preview_card` (complete or not at all) without the Hub: the
-    repo id is shown as given (a bare name stays bare; the push would put it under the token's account)."""
+def _preview_card(model, repo_id: str, preview_card: str, card_kwargs: dict) -> int:
+    """Write the card `push` would upload to `preview_card` (complete or not at all) without the Hub: the repo id is
+    shown as given (a bare name stays bare; the push would put it under the token's account)."""
     try:
-        card = model_card(model, repo_id=settings.repo_id, tokenizer=tokenizer, provenance=settings.provenance,
-                          base_model=settings.base_model, datasets=settings.datasets, license=settings.license)
+        card = model_card(model, repo_id=repo_id, **card_kwargs)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    path = Path(settings.preview_card)
+    path = Path(preview_card)
     if path.is_dir():
         print(f"error: --preview-card {str(path)!r} is a folder; pass a file path such as card.md.", file=sys.stderr)
         return 2

@@ -135,12 +135,17 @@ def trainer_for(tmp_path, table_optimizer: str, table_weight_decay: bool):
     return model, trainer
 
 
-@pytest.mark.parametrize("table_optimizer", ["adamw", "rowwise_adagrad"])
-@pytest.mark.parametrize("table_weight_decay", [True, False])
-def test_table_weight_decay_puts_the_tables_in_the_decayed_group_or_not(tmp_path, table_optimizer,
-                                                                         table_weight_decay):
+@pytest.fixture(params=[(rule, decay) for decay in (True, False) for rule in ("adamw", "rowwise_adagrad")],
+                ids=lambda p: f"{p[0]}-{'decay' if p[1] else 'no-decay'}")
+def optimized(tmp_path, request):
+    """(model, its trainer's optimizer, table_weight_decay) for each table optimizer, with and without decay."""
+    table_optimizer, table_weight_decay = request.param
     model, trainer = trainer_for(tmp_path, table_optimizer, table_weight_decay)
-    optimizer = trainer.create_optimizer()
+    return model, trainer.create_optimizer(), table_weight_decay
+
+
+def test_table_weight_decay_puts_the_tables_in_the_decayed_group_or_not(optimized):
+    model, optimizer, table_weight_decay = optimized
     decay_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     named = dict(model.named_parameters())
     tables = [name for name in named if name.endswith(".tables")]
@@ -154,12 +159,8 @@ def test_table_weight_decay_puts_the_tables_in_the_decayed_group_or_not(tmp_path
             assert decay_of[id(named[name])] == 0.0, name
 
 
-@pytest.mark.parametrize("table_optimizer", ["adamw", "rowwise_adagrad"])
-@pytest.mark.parametrize("table_weight_decay", [True, False])
-def test_a_step_with_zero_table_gradients_shrinks_the_tables_only_with_decay(tmp_path, table_optimizer,
-                                                                              table_weight_decay):
-    model, trainer = trainer_for(tmp_path, table_optimizer, table_weight_decay)
-    optimizer = trainer.create_optimizer()
+def test_a_step_with_zero_table_gradients_shrinks_the_tables_only_with_decay(optimized):
+    model, optimizer, table_weight_decay = optimized
     tables = {name: p for name, p in model.named_parameters() if name.endswith(".tables")}
     before = {name: p.detach().clone() for name, p in tables.items()}
     for p in model.parameters():

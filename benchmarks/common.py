@@ -310,7 +310,7 @@ def fused_kernel_facts() -> dict:
 
     facts = {"fused_kernel_march": os.environ.get("MEMORYFORMER_KERNEL_MARCH", "native")}
     if "fused" in memory_ops.available_kernels():
-        ops = torch.ops.memoryformer_cpu
+        ops = torch.ops.memoryformer
         l1, l2, l3, threads, vector_bytes = ops.machine_info()
         facts.update(fused_kernel_isa=ops.isa(), fused_kernel_vector_bytes=vector_bytes,
                      caches_bytes={"l1d": l1, "l2": l2, "l3": l3})

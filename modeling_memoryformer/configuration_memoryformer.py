@@ -7,7 +7,8 @@ import os
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .memory_ops import LINEAR_CE_CHUNK_TOKENS, check_hash_parameters
+from .memory_loss import LINEAR_CE_CHUNK_TOKENS
+from .memory_math import check_hash_parameters
 from .transformers_compat import CACHE_NAMES
 
 

@@ -1,16 +1,28 @@
-"""C++ source of the fused CPU Memory Layer kernels: GENERATED from csrc/memoryformer_cpu.cpp, do not edit.
+"""C++ source of the fused CPU Memory Layer kernels: GENERATED from csrc/cpu/, do not edit.
 
-Edit modeling_memoryformer/csrc/memoryformer_cpu.cpp, then run `python scripts/generate_kernel_source.py`.
+Edit the parts in modeling_memoryformer/csrc/cpu/ (their order: csrc/cpu/parts.txt), then run
+`python scripts/generate_kernel_source.py`.
 The source travels as a string so that `save_pretrained` copies it with the model files and remote-code loading
 (`trust_remote_code=True`) can build the kernel too; `memory_ops.load_fused_kernels` compiles it at first use.
-Its first line is a #line directive, so compiler errors name the .cpp file and its line numbers.
+It is the parts joined in order, each preceded by a #line directive, so compiler errors name the part and its line.
 """
 
-CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
+CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/cpu/prelude.h"
 // Fused CPU kernels of the MemoryFormer Memory Layer, a PyTorch extension.
 //
-// Operators (namespace MEMORYFORMER_OPS, default `memoryformer_cpu`), all on contiguous CPU tensors:
-// - hash(x[N, K*tau], tau, l1, t) -> (rows int64 [N, K], scores [N, K])
+// Layout: one translation unit, split by concern into the parts of csrc/cpu/ and compiled as their concatenation in
+// the order of csrc/cpu/parts.txt. The parts are fragments, not headers: each uses what the parts before it define.
+// This prelude holds the includes, the vector layer, the opening of the anonymous namespace, the constants and the
+// argument checks that the others share; registration.cpp closes the namespace and registers the ops.
+// scripts/generate_kernel_source.py joins them into memory_kernel_source.py, each part preceded by
+// `#line 1 "modeling_memoryformer/csrc/cpu/<part>"`, so compiler errors name the part and its line. The measurements
+// behind the design choices are in docs/kernel.md.
+//
+// CPU kernels of the ops that memory_op_library.py defines (schemas, fakes, autograd and the PyTorch reference
+// kernels live there, in Python); these parts only register implementations for them (namespace MEMORYFORMER_OPS,
+// default `memoryformer`), all on contiguous CPU tensors:
+// - hash(x[N, K*tau], tau, score, t) -> (rows int64 [N, K], scores [N, K]); score by name, "paper" or "l1"
+//       (another name is refused)
 //       rows = k * 2**tau + h(z_k); scores = p(z_k) (paper) or ||z_k||_1 * p(z_k) (l1), in float32 (float64 for
 //       float64 x). p = 1 / prod_i (1 + exp(-2|z_i|/t)) is computed as a product: each factor lies in (1, 2], so the
 //       product of at most 16 factors cannot overflow and no logarithm is needed.
@@ -22,7 +34,7 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 //       grad_scores[n, k] = <grad_y[n], tables[rows[n, k]]>; grad_tables[r] = sum_{(n,k): rows[n,k]=r} scores * grad_y[n]
 // - lookup_backward_rows(grad_y, rows, scores, tables, need_scores) -> (grad_scores, rows_hit [U], values [U, D]):
 //       the table gradient as the U distinct rows hit only, ascending (see "rows-hit backward").
-// - hash_backward(grad_scores, x, tau, l1, t) -> grad_x through the score derivative (codes are piecewise constant).
+// - hash_backward(grad_scores, x, tau, score, t) -> grad_x through the score derivative (codes are piecewise constant).
 // - int8_lookup(rows, scores, packed, bias?, rows_per_table) -> y[N, D] float32: lookup on int8
 //       tables in FBGEMM's row-wise layout (packed uint8 [R, D + 8]: codes, float32 scale, float32 offset per row),
 //       y = sum_k scores * (q * scale + offset) + bias, dequantised in registers, summed in float32 (see "int8 tables").
@@ -32,7 +44,8 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 // - isa() -> the vector layer compiled in ("AVX512", "AVX2", "NEON", "DEFAULT");
 //   machine_info() -> [L1d, L2, L3 bytes, threads, vector bytes] as the strategy choice sees them;
 //   set_cache_sizes(l1, l2, l3) overrides the detected caches (0, 0, 0: detect again);
-//   plan(N, K, P, D, dtype, backward) -> the strategy "auto" picks for that shape here.
+//   plan(N, K, P, D, dtype, backward) -> the strategy "auto" picks for that shape here;
+//   lookup_strategies() -> the names lookup_strategy takes besides "auto" (kStrategies, their one list).
 //
 // Portability: every strategy is written once. Vector code uses ATen's at::vec::Vectorized<float> (AVX-512, AVX2,
 // NEON, or a plain array the compiler vectorises), the rest plain loops under `#pragma omp simd`. Register blocking
@@ -75,7 +88,7 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 #endif
 
 #ifndef MEMORYFORMER_OPS
-#define MEMORYFORMER_OPS memoryformer_cpu   // the op namespace; test builds for other targets set their own
+#define MEMORYFORMER_OPS memoryformer   // the op namespace; test builds for other targets set their own
 #endif
 
 #include <ATen/ATen.h>
@@ -93,6 +106,7 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -119,22 +133,44 @@ constexpr int kVecRegs = 16;
 #endif
 
 // Output columns accumulated per pass over a token's rows: half the vector registers (256 with AVX-512, 64 with
-// AVX2 and NEON); a wider span spills the sums to memory (the x86-64-v3 build on the AMD EPYC, d 512: 0.174 -> 0.133 ms
-// at 48 tokens, 0.235 -> 0.209 at 64, with 64 columns instead of 256).
+// AVX2 and NEON); a wider span spills the sums to memory (docs/kernel.md).
 constexpr int64_t kCols = kVecRegs / 2 * kLanes;
 constexpr int64_t kAhead = 16;             // table rows prefetched this many lookups ahead
 constexpr int64_t kSerialWork = 1 << 18;   // below this many multiply-adds, one thread
 constexpr int64_t kSmallBatch = 64;        // up to this many tokens the forward uses our own gather kernel
 constexpr int64_t kBucketedHits = 2;       // lookups per row from which the bucketed forward can pay off: from 2,
                                            // one sequential pass over a table beyond the LLC costs less than the
-                                           // random row reads (measured at 2 hits per row on the AMD EPYC: 12.2 vs
-                                           // 16.8 ms at 64 x 1024 x 512, 3.2 vs 3.8, 9.2 vs 11.5, 7.8 vs 10.8 ms on
-                                           // the other shapes of MF-tiny/small; at 1 hit per row the gather wins)
-constexpr int64_t kPackedHits = 2;         // lookups per row from which the packed forward can pay off (measured on
-                                           // the AMD EPYC, one thread, 64 tables x 256 x 512: 3.7 vs 5.0 ms for
-                                           // embedding_bag at 2 per row, 3.2 vs 2.8 at 1 per row)
+                                           // random row reads; at 1 hit per row the gather wins (docs/kernel.md)
+constexpr int64_t kPackedHits = 2;         // lookups per row from which the packed forward can pay off: from 2 it
+                                           // beats embedding_bag, at 1 per row it loses (docs/kernel.md)
 constexpr int64_t kBlock = 64;             // columns per block of the bucketed passes
 constexpr int64_t kPackCols = 32;          // columns per block of the packed pass
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T> inline typename Acc<T>::type to_acc(T v) { return static_cast<typename Acc<T>::type>(v); }
+
+// ------------------------------------------------------------------------------------------------ argument checks
+// Every op checks every argument before a kernel runs: the kernels index memory with them unchecked.
+void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.defined(), "memoryformer.", op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "memoryformer.", op, ": ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "memoryformer.", op, ": ", name, " must be contiguous (call .contiguous())");
+}
+
+void check_floating(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "memoryformer.", op, ": ", name, " must be a CPU tensor, got ", t.device());
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kDouble || s == at::kBFloat16 || s == at::kHalf, "memoryformer.", op,
+              ": ", name, " must be float32, float64, bfloat16 or float16, got ", s);
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+#line 1 "modeling_memoryformer/csrc/cpu/tuning.h"
+// The machine: cache sizes and the block sizes, chunk lengths and thresholds derived from them.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 // ------------------------------------------------------------------------------------------------ the machine
 // Cache sizes: the kernel's sysfs view, else sysconf, else a conservative fallback. sysfs comes first because glibc's
@@ -228,53 +264,16 @@ template <typename A> int64_t bucket_chunk(const Tuning& t) { return chunk_token
 // Tokens per chunk of the backward: a compact block of up to a quarter of the LLC's share per thread (4 MB each for 2
 // threads and a 32 MB L3), at least bucket_bytes. Every chunk beyond the first streams the table again and reads
 // back and rewrites the whole table gradient (three table-sized passes, from DRAM for MemoryFormer's tables), which
-// costs far more than gathering from a block that spills from L2 to L3: on the AMD EPYC (1 MB L2), 4096 tokens of
-// MF-tiny's Memory Block layer 2 (32 x 1024 rows, 1024 columns) took 45 ms in 2 chunks of the L2 rule and 24 ms in one,
-// 16384 tokens 188 ms in 8 chunks and 53 ms in one.
+// costs far more than gathering from a block that spills from L2 to L3 (docs/kernel.md).
 template <typename A> int64_t backward_chunk(const Tuning& t, int threads) {
   return chunk_tokens<A>(std::max<int64_t>(t.bucket_bytes, t.llc / 4 / std::max(1, threads)));
 }
+#line 1 "modeling_memoryformer/csrc/cpu/scratch.h"
+// Scratch memory: per-thread work buffers kept between calls.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
-// exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
-// so that the compiler vectorises loops that call it.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float fx = x * 1.44269504088896341f;
-  const float n = (fx + 12582912.0f) - 12582912.0f;   // round to nearest
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-inline double exp_nonpos(double x) { return std::exp(x); }
-
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-template <typename T> inline typename Acc<T>::type to_acc(T v) { return static_cast<typename Acc<T>::type>(v); }
-
-// A fresh multi-MB gradient is new memory from the OS: first-touch faults on 4 KB pages cost more than the kernel
-// that fills it. Ask for transparent huge pages on the untouched range (honoured when THP is in `madvise` mode).
-void advise_huge_pages(void* p, size_t bytes) {
-#ifdef MADV_HUGEPAGE
-  const uintptr_t huge = uintptr_t(2) << 20;
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
-  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
-#endif
-}
-
-
+// ------------------------------------------------------------------------------------------------ scratch memory
 // Scratch memory that outlives a call: one set of buffers per thread (the caller's and the pool's workers), grown
 // to the largest request and then reused. A fresh multi-hundred-KB buffer per call costs first-touch page faults
 // (the allocator hands freed blocks of that size back to the OS), and zeroing a std::vector costs a pass over it.
@@ -295,7 +294,7 @@ void* scratch_bytes(int slot, size_t bytes) {
     std::free(b.ptr);
     b.ptr = std::aligned_alloc(64, want);
     b.bytes = b.ptr ? want : 0;
-    TORCH_CHECK(b.ptr, "memoryformer_cpu: out of memory for ", want, " bytes of scratch");
+    TORCH_CHECK(b.ptr, "memoryformer: out of memory for ", want, " bytes of scratch");
   }
   return b.ptr;
 }
@@ -303,7 +302,12 @@ void* scratch_bytes(int slot, size_t bytes) {
 template <typename T> T* scratch(int slot, int64_t count) {
   return static_cast<T*>(scratch_bytes(slot, size_t(std::max<int64_t>(0, count)) * sizeof(T)));
 }
+#line 1 "modeling_memoryformer/csrc/cpu/spans.h"
+// The thread split, and the loads, prefetches and stores of row spans that every kernel uses.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
+// ------------------------------------------------------------------------------------------------ threads and spans
 int64_t threads_for(int64_t work) { return work < kSerialWork ? 1 : at::get_num_threads(); }
 
 template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
@@ -377,763 +381,10 @@ template <typename A, typename S> inline void load_span(A* dst, const S* src, in
     for (; j < w; ++j) dst[j] = static_cast<A>(static_cast<float>(src[j]));
   }
 }
-
-// ------------------------------------------------------------------------------------------------ hashing
-// Vectorised across the K chunks of a token (lane k reads value i of chunk k, a stride-tau gather), so exp, the
-// product, the norm and the code bits of 16 chunks are computed at once. prod = prod_i (1 + e_i), multiplied in
-// order i = 0..tau-1 here and in the backward, so both see bit-identical scores; p = 1 / prod and each factor lies
-// in (1, 2], so nothing overflows.
-template <typename X>
-void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64_t N, int64_t K, int64_t tau,
-                 bool l1, double temperature) {
-  using A = typename Acc<X>::type;
-  const int64_t D = K * tau;
-  const A c = static_cast<A>(2.0 / temperature);
-  parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), prod(K), norm(K);
-    std::vector<int32_t> code(K);
-    for (int64_t n = begin; n < end; ++n) {
-      // Transposed: zt[i * K + k] = value i of chunk k, so that the passes below read contiguous vectors of K values
-      // (reading z[k * tau + i] per lane instead: 1.03 instead of 0.69 ms for 2048 x 512 values, 2 threads, AVX2
-      // Zen 3). Written row by row (contiguous stores, strided loads): 0.36 against 0.45 ms for 2048 x 512 bfloat16
-      // values, 2 threads, Zen 4, than column by column.
-      A* zt = z.data();
-      const X* xn = x + n * D;
-      for (int64_t i = 0; i < tau; ++i) {
-        A* zi = zt + i * K;
-        const X* xi = xn + i;
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) zi[k] = to_acc(xi[k * tau]);
-      }
-      A* pr = prod.data();
-      A* nm = norm.data();
-      int32_t* cd = code.data();
-      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); cd[k] = 0; }
-      for (int64_t i = 0; i < tau; ++i) {
-        const A* zi = zt + i * K;
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) {
-          const A v = zi[k];
-          const A a = std::abs(v);
-          pr[k] *= A(1) + exp_nonpos(-c * a);
-          nm[k] += a;
-          cd[k] |= int32_t(v >= A(0)) << i;
-        }
-      }
-      int64_t* rn = rows + n * K;
-      A* sn = scores + n * K;
-#pragma omp simd
-      for (int64_t k = 0; k < K; ++k) {
-        rn[k] = (k << tau) + cd[k];
-        sn[k] = (l1 ? nm[k] : A(1)) / pr[k];   // p = 1 / prod(1 + exp(-2|z|/t)), prod in [1, 2^tau]
-      }
-    }
-  });
-}
-
-template <typename X>
-void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, int64_t N, int64_t K, int64_t tau,
-                          bool l1, double temperature) {
-  using A = typename Acc<X>::type;
-  const int64_t D = K * tau;
-  const A c = static_cast<A>(2.0 / temperature);
-  parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), e(D), a(D), b(D), prod(K), norm(K), out(std::is_same<X, A>::value ? 0 : D);
-    for (int64_t n = begin; n < end; ++n) {
-      load_span(z.data(), x + n * D, D);
-      A* pr = prod.data();
-      A* nm = norm.data();
-      A* ee = e.data();
-      const A* zz = z.data();
-#pragma omp simd
-      for (int64_t j = 0; j < D; ++j) ee[j] = exp_nonpos(-c * std::abs(zz[j]));
-      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); }
-      for (int64_t i = 0; i < tau; ++i) {   // the forward's scores, recomputed in the same order (see hash_kernel)
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) {
-          pr[k] *= A(1) + ee[k * tau + i];
-          nm[k] += std::abs(zz[k * tau + i]);
-        }
-      }
-      // d score / d z_j = sign(z_j) * (a_k + b_k * e_j / (1 + e_j)) with, for chunk k (p = 1 / prod):
-      //   paper: a = 0,        b = (2/t) p          (d p / d z_j = p (2/t) sign(z_j) e_j / (1 + e_j))
-      //   l1:    a = p,        b = (2/t) p ||z_k||_1
-      // a and b (times the incoming gradient) are spread over their chunk, then one vector pass over all D values.
-      const A* g = gs + n * K;
-      A* av = a.data();
-      A* bv = b.data();
-      for (int64_t k = 0; k < K; ++k) {
-        const A p = A(1) / pr[k], gk = g[k];
-        const A ak = l1 ? gk * p : A(0), bk = gk * c * p * (l1 ? nm[k] : A(1));
-        for (int64_t i = 0; i < tau; ++i) { av[k * tau + i] = ak; bv[k * tau + i] = bk; }
-      }
-      // 16-bit x: the gradient in float32 first, then rounded by vectors (a scalar rounding per value kept the loop
-      // from vectorising: 1.6 against 0.74 ms for float32 at 2048 x 512 values, two threads, AMD EPYC Zen 4).
-      X* gxn = gx + n * D;
-      A* gn = std::is_same<X, A>::value ? reinterpret_cast<A*>(gxn) : out.data();
-#pragma omp simd
-      for (int64_t j = 0; j < D; ++j) {
-        const A v = zz[j];
-        const A sg = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
-        gn[j] = sg * (av[j] + bv[j] * (ee[j] / (A(1) + ee[j])));
-      }
-      if constexpr (!std::is_same<X, A>::value) store_span(gxn, gn, D, false);
-    }
-  });
-}
-
-// ------------------------------------------------------------------------------------------------ lookup
-// Token-major gather-accumulate: for each token and each span of kCols output columns, the K row spans are summed
-// into registers while the rows kAhead lookups ahead (this token's or the next one's) are prefetched, so the
-// random row reads overlap instead of waiting on the cache one after another.
-template <typename T>
-void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
-                   T* out, int64_t N, int64_t K, int64_t D) {
-  using A = typename Acc<T>::type;
-  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t* rn = rows + n * K;
-      const A* sn = scores + n * K;
-      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        A acc[kCols];
-        for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
-        for (int64_t k = 0; k < K; ++k) {
-          if (k + kAhead < ahead_limit) prefetch_span(tables + rn[k + kAhead] * D + c0, w);
-          const T* t = tables + rn[k] * D + c0;
-          const A s = sn[k];
-          if (w == kCols) {
-#pragma omp simd
-            for (int64_t j = 0; j < kCols; ++j) acc[j] += s * to_acc(t[j]);
-          } else {
-            for (int64_t j = 0; j < w; ++j) acc[j] += s * to_acc(t[j]);
-          }
-        }
-        T* o = out + n * D + c0;   // accumulated in A, stored in the tables' dtype
-        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
-      }
-    }
-  });
-}
-
-// ------------------------------------------------------------------------------------------------ bucketed passes
-// For many tokens the lookups are grouped by table row (a counting sort per table: each table holds every token
-// exactly once), and the work is split by column blocks of kBlock columns. One column block of a chunk of tokens
-// (half of L2, see Tuning) lives in a contiguous buffer that stays in L2, while the rows of the table are streamed
-// once, in order, each hit row loaded into registers once and applied to all of its tokens. The table is then read
-// once per chunk instead of once per lookup (N / 2**tau times), and the random accesses go to L2 instead of L3 /
-// DRAM. The buffer is compact because a strided column block of a [N, D] matrix with D*4 a multiple of 2 KB maps
-// onto a few cache sets only.
-constexpr int64_t kRowAhead = 12;  // table rows prefetched ahead in the stream
-
-template <typename A> struct Buckets {   // in the calling thread's scratch slots 0-2
-  int64_t* start = nullptr;     // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
-  int32_t* token = nullptr;     // [n * K]: token (chunk-relative) of each position
-  A* score = nullptr;           // [n * K]: its score
-};  // position e belongs to table e / n (see bucket_lookups), so its lookup is (token[e], e / n)
-
-// Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
-template <typename A>
-void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, int64_t P, Buckets<A>& b) {
-  b.start = scratch<int64_t>(0, K * P + 1);
-  b.token = scratch<int32_t>(1, n * K);
-  b.score = scratch<A>(2, n * K);
-  int64_t* st = b.start;
-  int32_t* tok = b.token;
-  A* sc = b.score;
-  parallel_tokens(K, n * K * 8, [=](int64_t k0, int64_t k1) {
-    std::vector<int64_t> fill(P);
-    for (int64_t k = k0; k < k1; ++k) {
-      std::fill(fill.begin(), fill.end(), 0);
-      for (int64_t i = 0; i < n; ++i) ++fill[rows[i * K + k] - k * P];   // rows checked by check_lookup_args
-      int64_t pos = k * n;
-      for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t at = fill[rows[i * K + k] - k * P]++;
-        tok[at] = static_cast<int32_t>(i);
-        sc[at] = scores[i * K + k];
-      }
-    }
-  });
-  st[K * P] = n * K;
-}
-
-// float32, W = kBlock columns: the row and the accumulators are vectors that the compiler keeps in registers across
-// the hit loop (it does not do so for the generic loops' arrays). kBlock / kLanes vectors each: 4 with AVX-512,
-// 8 with AVX2, 16 with NEON.
-constexpr int64_t kBlockVecs = kBlock / kLanes;
-static_assert(kBlock % kLanes == 0, "a column block is whole vectors");
-
-inline void scatter_hits_f32(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
-                             float* buf) {
-  fVec tv[kBlockVecs];
-#pragma GCC unroll 16
-  for (int64_t v = 0; v < kBlockVecs; ++v) tv[v] = fVec::loadu(t + v * kLanes);
-  for (int64_t e = e0; e < e1; ++e) {
-    float* y = buf + int64_t(tok[e]) * kBlock;
-    const fVec s(sc[e]);
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kBlockVecs; ++v)
-      at::vec::fmadd(s, tv[v], fVec::loadu(y + v * kLanes)).store(y + v * kLanes);
-  }
-}
-
-template <bool kTables, bool kScores>
-inline void backward_hits_f32(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
-                              const float* buf, float* acc, float* part) {
-  fVec tv[kBlockVecs], a[kBlockVecs];
-#pragma GCC unroll 16
-  for (int64_t v = 0; v < kBlockVecs; ++v) {
-    if (kScores) tv[v] = fVec::loadu(t + v * kLanes);
-    if (kTables) a[v] = fVec::loadu(acc + v * kLanes);
-  }
-  for (int64_t e = e0; e < e1; ++e) {
-    const float* y = buf + int64_t(tok[e]) * kBlock;
-    const fVec s(sc[e]);
-    fVec d0(0.0f), d1(0.0f);   // two partial dot products: half the dependency chain
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kBlockVecs; ++v) {
-      const fVec yv = fVec::loadu(y + v * kLanes);
-      if (kTables) a[v] = at::vec::fmadd(s, yv, a[v]);
-      if (kScores) {
-        if (v % 2 == 0) d0 = at::vec::fmadd(yv, tv[v], d0);
-        else d1 = at::vec::fmadd(yv, tv[v], d1);
-      }
-    }
-    if (kScores) part[e] += at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& z) { return x + z; }, d0 + d1);
-  }
-  if (kTables) {
-#pragma GCC unroll 16
-    for (int64_t v = 0; v < kBlockVecs; ++v) a[v].store(acc + v * kLanes);
-  }
-}
-
-// Forward of one column block [c0, c0 + W) for the tokens of one chunk: buf[i, :] = sum over the chunk's lookups
-// (i, k) of scores * tables[row, c0:c0+W]. W is kBlock (vectorised, unrolled) or the ragged last block.
-template <typename T, int64_t W>
-void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typename Acc<T>::type* buf, int64_t n,
-                   int64_t R, int64_t D, int64_t c0, int64_t w) {
-  using A = typename Acc<T>::type;
-  const int64_t ww = W ? W : w;
-  std::memset(static_cast<void*>(buf), 0, sizeof(A) * n * ww);
-  const int64_t* st = b.start;
-  const int32_t* tok = b.token;
-  const A* sc = b.score;
-  for (int64_t r = 0; r < R; ++r) {
-    if (r + kRowAhead < R && st[r + kRowAhead] != st[r + kRowAhead + 1])
-      prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
-    const int64_t e0 = st[r], e1 = st[r + 1];
-    if (e0 == e1) continue;
-    const T* t = tables + r * D + c0;
-    if constexpr (std::is_same<T, float>::value && W == kBlock) {
-      scatter_hits_f32(t, tok, sc, e0, e1, buf);
-    } else if constexpr (std::is_same<A, float>::value && W == kBlock) {   // bfloat16 / float16: the row in float32
-      alignas(64) float tv[kBlock];
-#pragma GCC unroll 16
-      for (int64_t v = 0; v < kBlockVecs; ++v) load_floats(t + v * kLanes).store(tv + v * kLanes);
-      scatter_hits_f32(tv, tok, sc, e0, e1, buf);
-    } else {
-      A tv[W ? W : kBlock];
-      for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
-      for (int64_t e = e0; e < e1; ++e) {
-        A* y = buf + int64_t(tok[e]) * ww;
-        const A s = sc[e];
-        if (W) {
-#pragma omp simd
-          for (int64_t j = 0; j < W; ++j) y[j] += s * tv[j];
-        } else {
-          for (int64_t j = 0; j < w; ++j) y[j] += s * tv[j];
-        }
-      }
-    }
-  }
-}
-
-// Backward of one column block for one chunk, in the same single pass over the table rows:
-//   grad_tables[r, block] (+)= sum over lookups of r of scores * grad_y[token, block]  (written once, by one thread)
-//   part[position] += <grad_y[token, block], tables[r, block]>  (this block's share of the score gradient)
-// Rows no lookup hit are written as zeros by the first chunk (`first`) and left alone by later ones.
-template <typename T, int64_t W, bool kTables, bool kScores>
-void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
-                    const typename Acc<T>::type* buf, T* grad_tables, typename Acc<T>::type* part, int64_t R, int64_t D,
-                    int64_t c0, int64_t w, bool first) {
-  using A = typename Acc<T>::type;
-  const int64_t ww = W ? W : w;
-  const int64_t* st = b.start;
-  const int32_t* tok = b.token;
-  const A* sc = b.score;
-  alignas(64) A zeros[kBlock] = {};
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t e0 = st[r], e1 = st[r + 1];
-    T* g = kTables ? grad_tables + r * D + c0 : nullptr;
-    if (e0 == e1) {
-      if (kTables && first) store_span(g, zeros, ww, true);
-      continue;
-    }
-    if (kScores && r + kRowAhead < R) prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
-    alignas(64) A tv[W ? W : kBlock], acc[W ? W : kBlock];
-    // Widening copies (by vectors for 16-bit values); float32 rows of a whole block are read in place below.
-    if (kScores && !(std::is_same<T, float>::value && W == kBlock)) load_span(tv, tables + r * D + c0, ww);
-    if (kTables) {
-      if (first) std::fill(acc, acc + ww, A(0));
-      else load_span(acc, g, ww);
-    }
-    if constexpr (std::is_same<A, float>::value && W == kBlock) {
-      const float* row;   // float32 tables: the row itself; bfloat16 / float16: its float32 copy in tv
-      if constexpr (std::is_same<T, float>::value) row = tables + r * D + c0;
-      else row = tv;
-      backward_hits_f32<kTables, kScores>(row, tok, sc, e0, e1, buf, acc, part);
-    } else {
-      for (int64_t e = e0; e < e1; ++e) {
-        const A* y = buf + int64_t(tok[e]) * ww;
-        const A s = sc[e];
-        A dot = 0;
-        if (W) {
-#pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < W; ++j) {
-            if (kTables) acc[j] += s * y[j];
-            if (kScores) dot += y[j] * tv[j];
-          }
-        } else {
-          for (int64_t j = 0; j < w; ++j) {
-            if (kTables) acc[j] += s * y[j];
-            if (kScores) dot += y[j] * tv[j];
-          }
-        }
-        if (kScores) part[e] += dot;
-      }
-    }
-    if (kTables) store_span(g, acc, ww, first);
-  }
-  stream_fence();
-}
-
-// Column blocks of width kBlock, the last one ragged; threads take whole blocks.
-inline int64_t num_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
-
-template <typename T>
-void lookup_bucketed(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
-                     typename Acc<T>::type* out, int64_t N, int64_t K, int64_t P, int64_t D) {
-  using A = typename Acc<T>::type;
-  const int64_t R = K * P, nb = num_blocks(D), chunk = bucket_chunk<A>(tuning());
-  Buckets<A> b;
-  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-    const int64_t n = std::min(chunk, N - n0);
-    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
-    A* o = out + n0 * D;
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      A* buf = scratch<A>(kWorkerSlot, n * kBlock);
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
-        if (w == kBlock) scatter_block<T, kBlock>(b, tables, buf, n, R, D, c0, w);
-        else scatter_block<T, 0>(b, tables, buf, n, R, D, c0, w);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t j = 0; j < w; ++j) o[i * D + c0 + j] = buf[i * w + j] + (bias ? to_acc(bias[c0 + j]) : A(0));
-      }
-    });
-  }
-}
-
-// GY: grad_y's dtype, the accumulation type or (float32 sums) a 16-bit type, widened as each column block is copied.
-template <typename T, bool kTables, bool kScores, typename GY = typename Acc<T>::type>
-void lookup_backward_bucketed(const GY* gy, const int64_t* rows,
-                              const typename Acc<T>::type* scores, const T* tables, T* grad_tables,
-                              typename Acc<T>::type* grad_scores, int64_t N, int64_t K, int64_t P, int64_t D) {
-  using A = typename Acc<T>::type;
-  const int threads = std::max(1, at::get_num_threads());
-  const int64_t R = K * P, nb = num_blocks(D), chunk = backward_chunk<A>(tuning(), threads);
-  Buckets<A> b;
-  A* parts = nullptr;
-  for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += chunk) {
-    const int64_t n = std::min(chunk, N - n0);
-    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
-    const GY* g = gy + n0 * D;
-    const int64_t L = n * K;
-    if (kScores) {
-      parts = scratch<A>(3, threads * L);
-      std::fill(parts, parts + threads * L, A(0));
-    }
-    A* pp = parts;
-    const bool first = n0 == 0;
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      A* buf = scratch<A>(kWorkerSlot, n * kBlock);
-      A* part = kScores ? pp + int64_t(at::get_thread_num()) * L : nullptr;
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
-        for (int64_t i = 0; i < n; ++i) load_span(buf + i * w, g + i * D + c0, w);   // memcpy when GY is A
-        if (w == kBlock)
-          backward_block<T, kBlock, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
-        else
-          backward_block<T, 0, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
-      }
-    });
-    if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup (token, table)
-      A* gs = grad_scores + n0 * K;
-      const int32_t* tok = b.token;
-      parallel_tokens(K, L * threads, [=](int64_t k0, int64_t k1) {
-        for (int64_t k = k0; k < k1; ++k)
-          for (int64_t e = k * n; e < (k + 1) * n; ++e) {
-            A v = 0;
-            for (int t = 0; t < threads; ++t) v += pp[int64_t(t) * L + e];
-            gs[int64_t(tok[e]) * K + k] = v;
-          }
-      });
-    }
-    if (N == 0) break;
-  }
-}
-
-// ------------------------------------------------------------------------------------------------ packed forward
-// Tables (float32, bfloat16, float16) about the size of the LLC, many tokens: the output is built in column blocks of
-// kPackCols columns for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables,
-// two phases:
-// 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
-//    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
-//    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
-// 2. the chunk's tokens add their lookups of the group from the buffer, several tokens at a time (tokens_for) with
-//    their sums in registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output
-//    after the last group, by non-temporal stores (whole 128-byte spans: no read for ownership of the output's
-//    lines, which the table stream would evict from the caches anyway; 5-7% of the lookup at d=512, N=2048 on the
-//    AMD EPYC).
-// The phases are not interleaved: interleaved, the stream's misses held the miss buffers that the gathers' L2 hits
-// need, and the kernel ran at the sum of both phases' times or worse. The table is read once per chunk instead of
-// once per lookup. The lookups are regrouped first, per group of tables (an int32 offset into the buffer and the
-// score, contiguous per group), so that each pass over a group reads them in order from a compact array.
-constexpr int64_t kPackVecs = kPackCols / kLanes;   // vectors per packed row: 2 (AVX-512), 4 (AVX2), 8 (NEON)
-static_assert(kPackCols % (2 * kLanes) == 0, "a packed row is whole pairs of vectors");
-constexpr int64_t kPackAhead = 32;   // rows prefetched (into L2) ahead of the copy
-
-// bfloat16 rows are widened by the bit pattern: a 32-bit word of a packed row holds columns 2j (low half) and 2j + 1
-// (high half), and `word << 16` and `word & 0xffff0000` are those two columns as float32, exactly (one integer
-// operation per 16 values, instead of a zero-extension and a shift per 16 values through at::vec::load_to_float, so
-// each group of rows stays a plain copy of the table's bytes). The sums of a block then hold its even columns in
-// the first vector of each pair and its odd columns in the second: the accumulator keeps that order (`acc_column`)
-// and the final store puts the columns back in place.
-// On the AMD EPYC Zen 4 (AVX512_BF16), d=512, N=2048, two threads, the gathers of the packed pass took 1.07 ms
-// instead of 1.86. Measured and not used: AVX512_BF16's dot product (vdpbf16ps) over pairs of lookups, whose scores it
-// would round to bfloat16: 1.01 against 1.07 ms there (the gathers are bound by their loads and integer operations as
-// much as by the multiply-adds).
-using iVec = at::vec::Vectorized<int32_t>;
-static_assert(iVec::size() == kLanes, "an int32 vector has as many lanes as a float vector");
-template <typename T> constexpr bool kSplitWords = std::is_same<T, c10::BFloat16>::value;
-
-// The column (within its block) held at position p of a block's sums: p itself, or for bfloat16 tables (see above)
-// position v * kLanes + i of vector v = 2 j + h holds column 2 (j * kLanes + i) + h.
-template <typename T> constexpr int64_t acc_column(int64_t p) {
-  if constexpr (kSplitWords<T>) {
-    const int64_t v = p / kLanes, i = p % kLanes;
-    return 2 * ((v / 2) * kLanes + i) + v % 2;
-  } else {
-    return p;
-  }
-}
-
-// acc[n + i, :] (+)= sum over the gn tables of the group of sc * pack[loc], for the TT tokens n .. n + TT - 1 of the
-// chunk, whose entries of the group are loc/sc[(n + i) * gn + k]; `first` starts from the bias block instead. A packed
-// row (and a row of acc) is V vectors wide: V * kLanes columns.
-template <int TT, int V, typename T>
-inline void packed_tokens(const int32_t* loc, const float* sc, const T* pack, const float* bias_block, float* acc,
-                          int64_t n, int64_t gn, bool first) {
-  constexpr int64_t C = V * kLanes;
-  fVec a[TT][V];
-#pragma GCC unroll 4
-  for (int i = 0; i < TT; ++i) {
-    const float* start = first ? bias_block : acc + (n + i) * C;
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) a[i][v] = fVec::loadu(start + v * kLanes);
-  }
-  const int32_t* l = loc + n * gn;
-  const float* s = sc + n * gn;
-  for (int64_t k = 0; k < gn; ++k) {
-#pragma GCC unroll 4
-    for (int i = 0; i < TT; ++i) {
-      const T* t = pack + l[i * gn + k];
-      const fVec w(s[i * gn + k]);
-      if constexpr (kSplitWords<T>) {
-        const iVec shift(16), high(int32_t(0xffff0000u));
-        const int32_t* words = reinterpret_cast<const int32_t*>(t);
-#pragma GCC unroll 4
-        for (int v = 0; v < V / 2; ++v) {
-          const iVec word = iVec::loadu(words + v * kLanes);
-          a[i][2 * v] = at::vec::fmadd(w, at::vec::cast<float>(word << shift), a[i][2 * v]);
-          a[i][2 * v + 1] = at::vec::fmadd(w, at::vec::cast<float>(word & high), a[i][2 * v + 1]);
-        }
-      } else {
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) a[i][v] = at::vec::fmadd(w, load_floats(t + v * kLanes), a[i][v]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < TT; ++i) {
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) a[i][v].store(acc + (n + i) * C + v * kLanes);
-  }
-}
-
-// Whether the packed forward can run: float32, bfloat16 or float16 tables whose width is whole column blocks.
-bool packed_applies(at::ScalarType dtype, int64_t D) {
-  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && D % kPackCols == 0;
-}
-
-// Tokens summed at once for packed rows of V vectors: their sums fill at most half the vector registers, at most 4.
-constexpr int tokens_for(int64_t V) { return int(std::max<int64_t>(1, std::min<int64_t>(4, kVecRegs / 2 / V))); }
-
-// Column blocks of kPackCols a packed row spans: 2 for 16-bit tables (a row of 64 columns, 128 bytes) where the
-// registers still sum 2 or more tokens at once with rows that wide (32 vector registers of 16 floats: AVX-512), else 1.
-// The copy then reads 128 contiguous bytes of each table row instead of one 64-byte line at a stride of D * 2 bytes,
-// which streamed tables beyond the L3 at about 13 GB/s: the copy of the d=1024 bfloat16 tables (67 MB) took 4.1
-// instead of 5.7 ms (AMD EPYC Zen 4, 2 threads). 1 when the blocks do not pair.
-int64_t packed_span(int64_t element_bytes, int64_t nblk) {
-  const bool wide = element_bytes * kPackCols < 128 && tokens_for(2 * kPackVecs) >= 2;
-  return wide && nblk % 2 == 0 ? 2 : 1;
-}
-
-// T: the tables' dtype, which the packed rows keep (bfloat16 / float16 rows take half the bytes of float32 ones, so a
-// group holds twice the rows of one block, or as many rows of two blocks, and are widened to float32 in registers as
-// they are added); sums in float32; the output in T (bias in T). W: column blocks per packed row (packed_span).
-template <typename T, int64_t W>
-void lookup_packed_span(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
-                        int64_t N, int64_t K, int64_t P, int64_t D) {
-  constexpr int64_t C = W * kPackCols;   // columns of a packed row
-  constexpr int V = int(C / kLanes), TT = tokens_for(V);
-  const Tuning tu = tuning();
-  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * C * int64_t(sizeof(T)))));
-  // Chunks of equal size, at most pack_chunk tokens (a small last chunk would copy the whole table for few tokens).
-  // With W = 2 their accumulator fills all of L2 rather than half and spills to L3 in part, which costs less than
-  // streaming the tables once more: 8192 tokens of bfloat16 tables in 2 chunks took 6.3 / 24.5 ms (d = 512 / 1024)
-  // against 7.0 / 29.5 ms in 4 chunks of half the size (AMD EPYC Zen 4, 2 threads).
-  const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
-  const int64_t nspan = D / C;
-  TORCH_CHECK(G * P * C <= std::numeric_limits<int32_t>::max(),
-              "memoryformer_cpu.lookup: a packed group of ", G, " x ", P, " rows is too large for int32 offsets");
-  // Group-major lookups: group [g0, g0 + gn) holds, for token n and table g0 + k, at (g0 * N + n * gn + k), the
-  // offset of the row in the group's buffer and the score.
-  int32_t* loc = scratch<int32_t>(0, N * K);
-  float* sc = scratch<float>(1, N * K);
-  parallel_tokens(N, N * K * 4, [&](int64_t n0, int64_t n1) {
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-      const int64_t gn = std::min(G, K - g0);
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t k = 0; k < gn; ++k) {
-          loc[g0 * N + n * gn + k] = int32_t((rows[n * K + g0 + k] - g0 * P) * C);
-          sc[g0 * N + n * gn + k] = scores[n * K + g0 + k];
-        }
-    }
-  });
-  // Rows [0, nrows) of the group from g0, columns c0 .. c0 + C - 1, into pack.
-  auto copy = [=](T* pack, int64_t g0, int64_t nrows, int64_t c0) {
-    const T* base = tables + g0 * P * D + c0;
-    for (int64_t r = 0; r < nrows; ++r) {
-      const T* src = base + r * D;
-      if (r + kPackAhead < nrows)
-        for (int64_t c = 0; c < C; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(src + kPackAhead * D + c, 0, 2);
-      std::memcpy(static_cast<void*>(pack + r * C), src, sizeof(T) * C);
-    }
-  };
-  parallel_tokens(nchunk * nspan, N * K * D, [&](int64_t u0, int64_t u1) {
-    // One scratch block: the accumulator [chunk, C] float32 first (64-byte aligned), then the packed rows.
-    const int64_t acc_floats = chunk_size * C, pack_bytes = G * P * C * int64_t(sizeof(T));
-    float* acc = static_cast<float*>(scratch_bytes(kWorkerSlot, size_t(acc_floats * int64_t(sizeof(float)) +
-                                                                        pack_bytes)));
-    T* pack = reinterpret_cast<T*>(acc + acc_floats);
-    alignas(64) float bias_block[C];
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t n0 = (u / nspan) * chunk_size, nn = std::min(chunk_size, N - n0), c0 = (u % nspan) * C;
-      for (int64_t p = 0; p < C; ++p) bias_block[p] = bias ? float(bias[c0 + acc_column<T>(p)]) : 0.0f;
-      for (int64_t g0 = 0; g0 < K; g0 += G) {
-        const int64_t gn = std::min(G, K - g0);
-        copy(pack, g0, gn * P, c0);
-        const int32_t* l = loc + g0 * N + n0 * gn;
-        const float* s = sc + g0 * N + n0 * gn;
-        const bool first = g0 == 0;
-        int64_t n = 0;
-        for (; n + TT <= nn; n += TT) packed_tokens<TT, V>(l, s, pack, bias_block, acc, n, gn, first);
-        for (; n < nn; ++n) packed_tokens<1, V>(l, s, pack, bias_block, acc, n, gn, first);
-      }
-      if constexpr (kSplitWords<T>) {   // columns back in place (each (even, odd) pair of vectors interleaved)
-        static_assert(at::vec::Vectorized<T>::size() == 2 * kLanes, "two float vectors round to one 16-bit vector");
-        for (int64_t i = 0; i < nn; ++i) {
-          const float* a = acc + i * C;
-          T* o = out + (n0 + i) * D + c0;
-#pragma GCC unroll 4
-          for (int v = 0; v < V; v += 2) {
-            const auto both = at::vec::interleave2(fVec::loadu(a + v * kLanes), fVec::loadu(a + (v + 1) * kLanes));
-            at::vec::convert_from_float<T>(std::get<0>(both), std::get<1>(both)).store(o + v * kLanes);
-          }
-        }
-      } else {
-        for (int64_t i = 0; i < nn; ++i) store_span(out + (n0 + i) * D + c0, acc + i * C, C, true);
-      }
-    }
-    stream_fence();
-  });
-}
-
-template <typename T>
-void lookup_packed(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
-                   int64_t N, int64_t K, int64_t P, int64_t D) {
-  if (N == 0) return;
-  if (packed_span(sizeof(T), D / kPackCols) == 2)
-    lookup_packed_span<T, 2>(rows, scores, tables, bias, out, N, K, P, D);
-  else
-    lookup_packed_span<T, 1>(rows, scores, tables, bias, out, N, K, P, D);
-}
-
-// ------------------------------------------------------------------------------------------------ int8 tables
-// Tables stored in FBGEMM's 8-bit row-wise layout (what torch.ops.quantized.embedding_bag_byte_prepack writes): row r
-// is D + 8 bytes, its D codes q then a float32 scale and a float32 offset, v = q * scale + offset. A lookup is
-//   y[n] = sum_k s[n,k] (q[r] * scale[r] + offset[r]) = sum_k (s[n,k] scale[r]) q[r] + sum_k s[n,k] offset[r]
-// with r = rows[n,k]: the codes are converted to float in registers and weighted by s * scale, and the offsets make one
-// value per token, added to all of its columns. First pass (int8_weights): those weights [N, K] and the per-token
-// offsets [N], from the 8 bytes after each hit row's codes.
-constexpr int64_t kInt8RowBytes = 8;   // the float32 scale and offset after a row's codes
-
-inline void int8_row_params(const uint8_t* row_end, float& scale, float& offset) {   // row_end: past the codes
-  std::memcpy(&scale, row_end, sizeof(float));       // not 4-byte aligned when D % 4 != 0
-  std::memcpy(&offset, row_end + 4, sizeof(float));
-}
-
-void int8_weights(const int64_t* rows, const float* scores, const uint8_t* packed, float* weights,
-                  float* token_offset, int64_t N, int64_t K, int64_t D) {
-  const int64_t W = D + kInt8RowBytes;
-  parallel_tokens(N, N * K * 16, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      float off = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        float scale, offset;
-        int8_row_params(packed + rows[n * K + k] * W + D, scale, offset);
-        const float s = scores[n * K + k];
-        weights[n * K + k] = s * scale;
-        off += s * offset;
-      }
-      token_offset[n] = off;
-    }
-  });
-}
-
-// a + s0 q0 + s1 q1 + s2 q2 + s3 q3 as four chained multiply-adds (written as one sum of products, the compiler
-// emitted separate multiplies and adds: 4.59 instead of 4.10 ms for 2048 tokens on L2-resident tables, one thread).
-inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t q0, uint8_t q1, uint8_t q2,
-                        uint8_t q3) {
-  a += s0 * float(int32_t(q0));
-  a += s1 * float(int32_t(q1));
-  a += s2 * float(int32_t(q2));
-  a += s3 * float(int32_t(q3));
-  return a;
-}
-
-constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
-
-// Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
-// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead (this token's or
-// the next one's) prefetched. Plain loops that the compiler vectorises, converting the codes in registers (GCC for
-// AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add per 16 codes). This is about
-// 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too (one thread, 2048 tokens, d=512:
-// 4.1 ms against 3.1 on tables in L2, 4.5 against 3.3 on 8.5 MB of tables), so quantization.py uses FBGEMM beyond a
-// few tokens; at one token the rows' reads dominate and this pass, which issues them at once with no per-call setup,
-// takes 4.7 us against 7.8. Measured and dropped: sums held in at::vec registers with the codes converted through a
-// small array (2.5x slower at one token: the conversion went through memory); spans of 1024 columns instead of
-// kCols (no change).
-void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
-                       const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
-  const int64_t W = D + kInt8RowBytes;
-  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t* rn = rows + n * K;
-      const float* wn = weights + n * K;
-      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
-      const float off = token_offset[n];
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        float acc[kCols];
-        for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
-        int64_t k = 0;
-        for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
-          for (int64_t i = 0; i < kInt8Rows; ++i)
-            if (k + i + kAhead < ahead_limit) prefetch_span(packed + rn[k + i + kAhead] * W + c0, w);
-          const uint8_t* q0 = packed + rn[k] * W + c0;
-          const uint8_t* q1 = packed + rn[k + 1] * W + c0;
-          const uint8_t* q2 = packed + rn[k + 2] * W + c0;
-          const uint8_t* q3 = packed + rn[k + 3] * W + c0;
-          const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
-          if (w == kCols) {
-#pragma omp simd
-            for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
-          } else {
-            for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
-          }
-        }
-        for (; k < K; ++k) {
-          if (k + kAhead < ahead_limit) prefetch_span(packed + rn[k + kAhead] * W + c0, w);
-          const uint8_t* q = packed + rn[k] * W + c0;
-          const float s = wn[k];
-          for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
-        }
-        float* o = out + n * D + c0;
-        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
-      }
-    }
-  });
-}
-
-// ------------------------------------------------------------------------------------------------ rows-hit backward
-// The table gradient as the rows hit and their gradients only (a sparse gradient), for few tokens: the dense form
-// writes every row of the tables (zeros for the rows nobody hit: 33.5 MB for a d=512 layer of 256-row tables), which
-// dominates a backward of a few tokens. Per table k (tables split over the threads): the lookups (row, token) of the
-// table sorted by row (std::sort of N 64-bit keys), then each distinct row's gradient summed in float32 registers
-// over its tokens, in token order, and each lookup's score gradient <grad_y[n], tables[row]>. Output rows ascending
-// (table k's rows come before table k + 1's), so the sparse gradient is coalesced as made.
-// Pass 1: the sorted keys and the number of distinct rows of each table; pass 2 fills the outputs. From half a lookup
-// per row (2N >= rows per table) most rows are hit: the dense bucketed backward runs instead and its rows hit are
-// copied out.
-template <typename T>
-void backward_rows_kernel(const float* gy, const int64_t* rows, const float* scores, const T* tables,
-                          const uint64_t* keys, const int64_t* start, int64_t* out_rows, T* values,
-                          float* grad_scores, int64_t N, int64_t K, int64_t D) {
-  parallel_tokens(K, N * K * D, [=](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      const uint64_t* kk = keys + k * N;
-      int64_t u = start[k];
-      for (int64_t e = 0; e < N;) {
-        const int64_t row = rows[(kk[e] & 0xffffffffu) * K + k];
-        int64_t e1 = e + 1;
-        while (e1 < N && (kk[e1] >> 32) == (kk[e] >> 32)) ++e1;
-        T* v = values + u * D;
-        out_rows[u++] = row;
-        const T* t = tables + row * D;
-        for (int64_t c0 = 0; c0 < D; c0 += kCols) {   // the row's gradient, kCols columns at a time in registers
-          const int64_t w = std::min(kCols, D - c0);
-          float acc[kCols] = {};
-          for (int64_t i = e; i < e1; ++i) {
-            const int64_t n = int64_t(kk[i] & 0xffffffffu);
-            const float sn = scores[n * K + k];
-            const float* g = gy + n * D + c0;
-#pragma omp simd
-            for (int64_t j = 0; j < w; ++j) acc[j] += sn * g[j];
-          }
-          store_span(v + c0, acc, w, false);   // 16-bit values rounded by vectors
-        }
-        if (grad_scores)
-          for (int64_t i = e; i < e1; ++i) {
-            const int64_t n = int64_t(kk[i] & 0xffffffffu);
-            const float* g = gy + n * D;
-            fVec d0(0.0f), d1(0.0f);   // the row widened by vectors (16-bit tables), two partial sums
-            int64_t j = 0;
-            for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
-              d0 = at::vec::fmadd(fVec::loadu(g + j), load_floats(t + j), d0);
-              d1 = at::vec::fmadd(fVec::loadu(g + j + kLanes), load_floats(t + j + kLanes), d1);
-            }
-            float dot = at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, d0 + d1);
-            for (; j < D; ++j) dot += g[j] * to_acc(t[j]);
-            grad_scores[n * K + k] = dot;
-          }
-        e = e1;
-      }
-    }
-  });
-}
+#line 1 "modeling_memoryformer/csrc/cpu/pool.h"
+// Gradient memory: the pool of huge-page blocks that table gradients come from.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 // ------------------------------------------------------------------------------------------------ gradient memory
 // A table gradient is as large as the tables (tens of MB per layer) and freshly allocated by every backward; the
@@ -1144,10 +395,21 @@ void backward_rows_kernel(const float* gy, const int64_t* rows, const float* sco
 // frees the idle blocks; MEMORYFORMER_GRAD_POOL_MB caps the pool (default 16384, 0 disables it).
 // The input gradient of the hash backward ([N, d_in], a few MB, freed as soon as the layer below has used it) comes
 // from the same pool as a *transient* block: glibc hands such blocks back to the OS when they are freed (its heap is
-// trimmed above 2x the mmap threshold), so every backward paid first-touch faults on them again (about 800 faults,
-// 1.2 ms at 1.5 us each, per d=512 layer at 2048 tokens here). Its sizes follow the batch shape, so at most
-// kIdleTransient idle transient blocks are kept (the least recently freed goes first) and a workload of changing
-// shapes cannot pile them up.
+// trimmed above 2x the mmap threshold), so every backward paid first-touch faults on them again (docs/kernel.md). Its
+// sizes follow the batch shape, so at most kIdleTransient idle transient blocks are kept (the least recently freed
+// goes first) and a workload of changing shapes cannot pile them up.
+
+// A fresh multi-MB gradient is new memory from the OS: first-touch faults on 4 KB pages cost more than the kernel
+// that fills it. Ask for transparent huge pages on the untouched range (honoured when THP is in `madvise` mode).
+void advise_huge_pages(void* p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+#endif
+}
+
 struct PoolBlock { size_t bytes; void* ptr; bool used; bool transient; uint64_t freed_at; };
 std::mutex pool_mutex;
 std::vector<PoolBlock> pool_blocks;
@@ -1232,78 +494,160 @@ int64_t release_gradient_pool() {
   pool_blocks.swap(kept);
   return freed;
 }
+#line 1 "modeling_memoryformer/csrc/cpu/hash.h"
+// Hashing: hash_kernel, hash_backward_kernel and their ops.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
-// ------------------------------------------------------------------------------------------------ few-row linear
-// y = x W^T (+ b) for a few rows of x (decoding: the LM head of one token reads a [vocab, d] weight for one row of
-// output). Each weight row is read once for all rows of x, and the output columns are split over the threads in
-// contiguous ranges, so the pass streams W once. The dot products of a weight row run as at least 4 independent FMA
-// chains (4 per row of x for one row, 2 for two, one each from four): with one or two chains a core here streamed W
-// at 10 GB/s, with four at 22-27 GB/s, the speed of a plain sum over W. (The BLAS GEMV that nn.Linear calls for one
-// row ran at the slower speed on the AMD EPYC this was measured on.)
-constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
+// ------------------------------------------------------------------------------------------------ hashing
+// exp(x) for x <= 0 in float (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free
+// so that the compiler vectorises loops that call it.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float fx = x * 1.44269504088896341f;
+  const float n = (fx + 12582912.0f) - 12582912.0f;   // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+inline double exp_nonpos(double x) { return std::exp(x); }
 
-// T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x, b and y float32.
-template <int64_t M, typename T>
-void linear_rows_kernel(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V) {
-  constexpr int64_t L = kLanes;
-  constexpr int64_t C = M == 1 ? 4 : 2;   // chains per row of x: 4, 4, 6 and 8 in all for M = 1 .. 4
-  const int64_t Dc = D - D % (C * L), Dv = D - D % L;
-  const auto add = [](fVec& p, fVec& q) { return p + q; };
-  at::parallel_for(0, V, 1024, [=](int64_t v0, int64_t v1) {
-    for (int64_t v = v0; v < v1; ++v) {
-      const T* wv = w + v * D;
-      fVec a[M][C];
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t c = 0; c < C; ++c) a[m][c] = fVec(0.f);
-      for (int64_t j = 0; j < Dc; j += C * L) {
-        for (int64_t c = 0; c < C; ++c) {
-          const fVec u = load_floats(wv + j + c * L);
-          for (int64_t m = 0; m < M; ++m) a[m][c] = at::vec::fmadd(fVec::loadu(x + m * D + j + c * L), u, a[m][c]);
+// Vectorised across the K chunks of a token (lane k reads value i of chunk k, a stride-tau gather), so exp, the
+// product, the norm and the code bits of 16 chunks are computed at once. prod = prod_i (1 + e_i), multiplied in
+// order i = 0..tau-1 here and in the backward, so both see bit-identical scores; p = 1 / prod and each factor lies
+// in (1, 2], so nothing overflows.
+template <typename X>
+void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64_t N, int64_t K, int64_t tau,
+                 bool l1, double temperature) {
+  using A = typename Acc<X>::type;
+  const int64_t D = K * tau;
+  const A c = static_cast<A>(2.0 / temperature);
+  parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
+    std::vector<A> z(D), prod(K), norm(K);
+    std::vector<int32_t> code(K);
+    for (int64_t n = begin; n < end; ++n) {
+      // Transposed: zt[i * K + k] = value i of chunk k, so that the passes below read contiguous vectors of K values
+      // instead of a stride-tau gather per lane. Written row by row (contiguous stores, strided loads), which is
+      // faster than column by column (docs/kernel.md).
+      A* zt = z.data();
+      const X* xn = x + n * D;
+      for (int64_t i = 0; i < tau; ++i) {
+        A* zi = zt + i * K;
+        const X* xi = xn + i;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) zi[k] = to_acc(xi[k * tau]);
+      }
+      A* pr = prod.data();
+      A* nm = norm.data();
+      int32_t* cd = code.data();
+      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); cd[k] = 0; }
+      for (int64_t i = 0; i < tau; ++i) {
+        const A* zi = zt + i * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) {
+          const A v = zi[k];
+          const A a = std::abs(v);
+          pr[k] *= A(1) + exp_nonpos(-c * a);
+          nm[k] += a;
+          cd[k] |= int32_t(v >= A(0)) << i;
         }
       }
-      for (int64_t j = Dc; j < Dv; j += L) {
-        const fVec u = load_floats(wv + j);
-        for (int64_t m = 0; m < M; ++m) a[m][0] = at::vec::fmadd(fVec::loadu(x + m * D + j), u, a[m][0]);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t c = 1; c < C; ++c) a[m][0] = a[m][0] + a[m][c];
-        float sum = at::vec::vec_reduce_all<float>(add, a[m][0]);
-        for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(wv[j]);
-        y[m * V + v] = b ? sum + b[v] : sum;
+      int64_t* rn = rows + n * K;
+      A* sn = scores + n * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) {
+        rn[k] = (k << tau) + cd[k];
+        sn[k] = (l1 ? nm[k] : A(1)) / pr[k];   // p = 1 / prod(1 + exp(-2|z|/t)), prod in [1, 2^tau]
       }
     }
   });
 }
 
-// ------------------------------------------------------------------------------------------------ ops
-// Every op checks every argument before a kernel runs: the kernels index memory with them unchecked.
-void check_cpu_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.defined(), "memoryformer_cpu.", op, ": ", name, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "memoryformer_cpu.", op, ": ", name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "memoryformer_cpu.", op, ": ", name, " must be contiguous (call .contiguous())");
-}
-
-void check_floating(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "memoryformer_cpu.", op, ": ", name, " must be a CPU tensor, got ", t.device());
-  const auto s = t.scalar_type();
-  TORCH_CHECK(s == at::kFloat || s == at::kDouble || s == at::kBFloat16 || s == at::kHalf, "memoryformer_cpu.", op,
-              ": ", name, " must be float32, float64, bfloat16 or float16, got ", s);
+template <typename X>
+void hash_backward_kernel(const typename Acc<X>::type* gs, const X* x, X* gx, int64_t N, int64_t K, int64_t tau,
+                          bool l1, double temperature) {
+  using A = typename Acc<X>::type;
+  const int64_t D = K * tau;
+  const A c = static_cast<A>(2.0 / temperature);
+  parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
+    std::vector<A> z(D), e(D), a(D), b(D), prod(K), norm(K), out(std::is_same<X, A>::value ? 0 : D);
+    for (int64_t n = begin; n < end; ++n) {
+      load_span(z.data(), x + n * D, D);
+      A* pr = prod.data();
+      A* nm = norm.data();
+      A* ee = e.data();
+      const A* zz = z.data();
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) ee[j] = exp_nonpos(-c * std::abs(zz[j]));
+      for (int64_t k = 0; k < K; ++k) { pr[k] = A(1); nm[k] = A(0); }
+      for (int64_t i = 0; i < tau; ++i) {   // the forward's scores, recomputed in the same order (see hash_kernel)
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) {
+          pr[k] *= A(1) + ee[k * tau + i];
+          nm[k] += std::abs(zz[k * tau + i]);
+        }
+      }
+      // d score / d z_j = sign(z_j) * (a_k + b_k * e_j / (1 + e_j)) with, for chunk k (p = 1 / prod):
+      //   paper: a = 0,        b = (2/t) p          (d p / d z_j = p (2/t) sign(z_j) e_j / (1 + e_j))
+      //   l1:    a = p,        b = (2/t) p ||z_k||_1
+      // a and b (times the incoming gradient) are spread over their chunk, then one vector pass over all D values.
+      const A* g = gs + n * K;
+      A* av = a.data();
+      A* bv = b.data();
+      for (int64_t k = 0; k < K; ++k) {
+        const A p = A(1) / pr[k], gk = g[k];
+        const A ak = l1 ? gk * p : A(0), bk = gk * c * p * (l1 ? nm[k] : A(1));
+        for (int64_t i = 0; i < tau; ++i) { av[k * tau + i] = ak; bv[k * tau + i] = bk; }
+      }
+      // 16-bit x: the gradient in float32 first, then rounded by vectors (a scalar rounding per value kept the loop
+      // from vectorising; docs/kernel.md).
+      X* gxn = gx + n * D;
+      A* gn = std::is_same<X, A>::value ? reinterpret_cast<A*>(gxn) : out.data();
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) {
+        const A v = zz[j];
+        const A sg = v > A(0) ? A(1) : (v < A(0) ? A(-1) : A(0));   // d|z|/dz, 0 at 0 as autograd
+        gn[j] = sg * (av[j] + bv[j] * (ee[j] / (A(1) + ee[j])));
+      }
+      if constexpr (!std::is_same<X, A>::value) store_span(gxn, gn, D, false);
+    }
+  });
 }
 
 void check_hash_args(const at::Tensor& x, int64_t tau, double temperature, const char* op) {
   check_cpu_contiguous(x, op, "x");
   check_floating(x, op, "x");
-  TORCH_CHECK(x.dim() == 2, "memoryformer_cpu.", op, ": x must be 2-D [N, K * hash_bits], got shape ", x.sizes());
-  TORCH_CHECK(tau >= 1 && tau <= 16, "memoryformer_cpu.", op, ": hash_bits must be in 1 .. 16, got ", tau);
-  TORCH_CHECK(x.size(1) % tau == 0, "memoryformer_cpu.", op, ": the width of x (", x.size(1),
+  TORCH_CHECK(x.dim() == 2, "memoryformer.", op, ": x must be 2-D [N, K * hash_bits], got shape ", x.sizes());
+  TORCH_CHECK(tau >= 1 && tau <= 16, "memoryformer.", op, ": hash_bits must be in 1 .. 16, got ", tau);
+  TORCH_CHECK(x.size(1) % tau == 0, "memoryformer.", op, ": the width of x (", x.size(1),
               ") must be a multiple of hash_bits (", tau, ")");
-  TORCH_CHECK(temperature > 0, "memoryformer_cpu.", op, ": temperature must be > 0, got ", temperature);
+  TORCH_CHECK(temperature > 0, "memoryformer.", op, ": temperature must be > 0, got ", temperature);
 }
 
-at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+// The scores this kernel implements, by name: the op layer passes the config's `hash_score` as it is, so a score
+// added in Python only is refused here instead of running as another one.
+bool score_is_l1(c10::string_view score, const char* op) {
+  TORCH_CHECK(score == "paper" || score == "l1", "memoryformer.", op, ": unknown score '", std::string(score),
+              "'; the fused CPU kernel implements 'paper' and 'l1'. A new score needs its formula in hash_kernel and "
+              "hash_backward_kernel (csrc/) as well as in the PyTorch kernels (memory_backend_torch.py).");
+  return score == "l1";
+}
 
-std::tuple<at::Tensor, at::Tensor> hash_op(const at::Tensor& x, int64_t tau, bool l1, double temperature) {
+std::tuple<at::Tensor, at::Tensor> hash_op(const at::Tensor& x, int64_t tau, c10::string_view score,
+                                           double temperature) {
   check_hash_args(x, tau, temperature, "hash");
+  const bool l1 = score_is_l1(score, "hash");
   const int64_t N = x.size(0), K = x.size(1) / tau;
   auto rows = at::empty({N, K}, x.options().dtype(at::kLong));
   auto scores = at::empty({N, K}, x.options().dtype(acc_type(x.scalar_type())));
@@ -1314,14 +658,15 @@ std::tuple<at::Tensor, at::Tensor> hash_op(const at::Tensor& x, int64_t tau, boo
   return {rows, scores};
 }
 
-at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, int64_t tau, bool l1,
+at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, int64_t tau, c10::string_view score,
                             double temperature) {
   check_hash_args(x, tau, temperature, "hash_backward");
+  const bool l1 = score_is_l1(score, "hash_backward");
   const int64_t N = x.size(0), K = x.size(1) / tau;
-  TORCH_CHECK(grad_scores.defined(), "memoryformer_cpu.hash_backward: grad_scores is undefined");
+  TORCH_CHECK(grad_scores.defined(), "memoryformer.hash_backward: grad_scores is undefined");
   check_floating(grad_scores, "hash_backward", "grad_scores");
   TORCH_CHECK(grad_scores.dim() == 2 && grad_scores.size(0) == N && grad_scores.size(1) == K,
-              "memoryformer_cpu.hash_backward: grad_scores must be [N, K] = [", N, ", ", K, "] for x of shape ",
+              "memoryformer.hash_backward: grad_scores must be [N, K] = [", N, ", ", K, "] for x of shape ",
               x.sizes(), " and hash_bits ", tau, ", got ", grad_scores.sizes());
   auto gs = grad_scores.to(acc_type(x.scalar_type())).contiguous();
   auto gx = pooled_empty_like(x, /*transient=*/true);   // see "gradient memory"
@@ -1331,7 +676,380 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
   });
   return gx;
 }
+#line 1 "modeling_memoryformer/csrc/cpu/lookup_token.h"
+// The token-major forward lookup (up to kSmallBatch tokens).
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
+// ------------------------------------------------------------------------------------------------ token-major lookup
+// Token-major gather-accumulate: for each token and each span of kCols output columns, the K row spans are summed
+// into registers while the rows kAhead lookups ahead (this token's or the next one's) are prefetched, so the
+// random row reads overlap instead of waiting on the cache one after another.
+template <typename T>
+void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
+                   T* out, int64_t N, int64_t K, int64_t D) {
+  using A = typename Acc<T>::type;
+  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t* rn = rows + n * K;
+      const A* sn = scores + n * K;
+      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
+      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
+        const int64_t w = std::min(kCols, D - c0);
+        A acc[kCols];
+        for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
+        for (int64_t k = 0; k < K; ++k) {
+          if (k + kAhead < ahead_limit) prefetch_span(tables + rn[k + kAhead] * D + c0, w);
+          const T* t = tables + rn[k] * D + c0;
+          const A s = sn[k];
+          if (w == kCols) {
+#pragma omp simd
+            for (int64_t j = 0; j < kCols; ++j) acc[j] += s * to_acc(t[j]);
+          } else {
+            for (int64_t j = 0; j < w; ++j) acc[j] += s * to_acc(t[j]);
+          }
+        }
+        T* o = out + n * D + c0;   // accumulated in A, stored in the tables' dtype
+        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
+      }
+    }
+  });
+}
+#line 1 "modeling_memoryformer/csrc/cpu/lookup_bucketed.h"
+// The bucketed forward lookup, and the grouping of lookups by row that the backward shares.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ bucketed passes
+// For many tokens the lookups are grouped by table row (a counting sort per table: each table holds every token
+// exactly once), and the work is split by column blocks of kBlock columns. One column block of a chunk of tokens
+// (half of L2, see Tuning) lives in a contiguous buffer that stays in L2, while the rows of the table are streamed
+// once, in order, each hit row loaded into registers once and applied to all of its tokens. The table is then read
+// once per chunk instead of once per lookup (N / 2**tau times), and the random accesses go to L2 instead of L3 /
+// DRAM. The buffer is compact because a strided column block of a [N, D] matrix with D*4 a multiple of 2 KB maps
+// onto a few cache sets only.
+constexpr int64_t kRowAhead = 12;  // table rows prefetched ahead in the stream
+
+template <typename A> struct Buckets {   // in the calling thread's scratch slots 0-2
+  int64_t* start = nullptr;     // [R + 1]: the lookups of row r are positions start[r] .. start[r + 1]
+  int32_t* token = nullptr;     // [n * K]: token (chunk-relative) of each position
+  A* score = nullptr;           // [n * K]: its score
+};  // position e belongs to table e / n (see bucket_lookups), so its lookup is (token[e], e / n)
+
+// Group the lookups of tokens [0, n) by row. Table k owns rows k*P .. k*P + P - 1 and positions k*n .. k*n + n - 1.
+template <typename A>
+void bucket_lookups(const int64_t* rows, const A* scores, int64_t n, int64_t K, int64_t P, Buckets<A>& b) {
+  b.start = scratch<int64_t>(0, K * P + 1);
+  b.token = scratch<int32_t>(1, n * K);
+  b.score = scratch<A>(2, n * K);
+  int64_t* st = b.start;
+  int32_t* tok = b.token;
+  A* sc = b.score;
+  parallel_tokens(K, n * K * 8, [=](int64_t k0, int64_t k1) {
+    std::vector<int64_t> fill(P);
+    for (int64_t k = k0; k < k1; ++k) {
+      std::fill(fill.begin(), fill.end(), 0);
+      for (int64_t i = 0; i < n; ++i) ++fill[rows[i * K + k] - k * P];   // rows checked by check_lookup_args
+      int64_t pos = k * n;
+      for (int64_t c = 0; c < P; ++c) { st[k * P + c] = pos; pos += fill[c]; fill[c] = st[k * P + c]; }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = fill[rows[i * K + k] - k * P]++;
+        tok[at] = static_cast<int32_t>(i);
+        sc[at] = scores[i * K + k];
+      }
+    }
+  });
+  st[K * P] = n * K;
+}
+
+// float32, W = kBlock columns: the row and the accumulators are vectors that the compiler keeps in registers across
+// the hit loop (it does not do so for the generic loops' arrays). kBlock / kLanes vectors each: 4 with AVX-512,
+// 8 with AVX2, 16 with NEON.
+constexpr int64_t kBlockVecs = kBlock / kLanes;
+static_assert(kBlock % kLanes == 0, "a column block is whole vectors");
+
+inline void scatter_hits_f32(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                             float* buf) {
+  fVec tv[kBlockVecs];
+#pragma GCC unroll 16
+  for (int64_t v = 0; v < kBlockVecs; ++v) tv[v] = fVec::loadu(t + v * kLanes);
+  for (int64_t e = e0; e < e1; ++e) {
+    float* y = buf + int64_t(tok[e]) * kBlock;
+    const fVec s(sc[e]);
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kBlockVecs; ++v)
+      at::vec::fmadd(s, tv[v], fVec::loadu(y + v * kLanes)).store(y + v * kLanes);
+  }
+}
+
+// Forward of one column block [c0, c0 + W) for the tokens of one chunk: buf[i, :] = sum over the chunk's lookups
+// (i, k) of scores * tables[row, c0:c0+W]. W is kBlock (vectorised, unrolled) or the ragged last block.
+template <typename T, int64_t W>
+void scatter_block(const Buckets<typename Acc<T>::type>& b, const T* tables, typename Acc<T>::type* buf, int64_t n,
+                   int64_t R, int64_t D, int64_t c0, int64_t w) {
+  using A = typename Acc<T>::type;
+  const int64_t ww = W ? W : w;
+  std::memset(static_cast<void*>(buf), 0, sizeof(A) * n * ww);
+  const int64_t* st = b.start;
+  const int32_t* tok = b.token;
+  const A* sc = b.score;
+  for (int64_t r = 0; r < R; ++r) {
+    if (r + kRowAhead < R && st[r + kRowAhead] != st[r + kRowAhead + 1])
+      prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
+    const int64_t e0 = st[r], e1 = st[r + 1];
+    if (e0 == e1) continue;
+    const T* t = tables + r * D + c0;
+    if constexpr (std::is_same<T, float>::value && W == kBlock) {
+      scatter_hits_f32(t, tok, sc, e0, e1, buf);
+    } else if constexpr (std::is_same<A, float>::value && W == kBlock) {   // bfloat16 / float16: the row in float32
+      alignas(64) float tv[kBlock];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < kBlockVecs; ++v) load_floats(t + v * kLanes).store(tv + v * kLanes);
+      scatter_hits_f32(tv, tok, sc, e0, e1, buf);
+    } else {
+      A tv[W ? W : kBlock];
+      for (int64_t j = 0; j < ww; ++j) tv[j] = to_acc(t[j]);
+      for (int64_t e = e0; e < e1; ++e) {
+        A* y = buf + int64_t(tok[e]) * ww;
+        const A s = sc[e];
+        if (W) {
+#pragma omp simd
+          for (int64_t j = 0; j < W; ++j) y[j] += s * tv[j];
+        } else {
+          for (int64_t j = 0; j < w; ++j) y[j] += s * tv[j];
+        }
+      }
+    }
+  }
+}
+
+// Column blocks of width kBlock, the last one ragged; threads take whole blocks.
+inline int64_t num_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
+
+template <typename T>
+void lookup_bucketed(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
+                     typename Acc<T>::type* out, int64_t N, int64_t K, int64_t P, int64_t D) {
+  using A = typename Acc<T>::type;
+  const int64_t R = K * P, nb = num_blocks(D), chunk = bucket_chunk<A>(tuning());
+  Buckets<A> b;
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t n = std::min(chunk, N - n0);
+    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
+    A* o = out + n0 * D;
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      A* buf = scratch<A>(kWorkerSlot, n * kBlock);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
+        if (w == kBlock) scatter_block<T, kBlock>(b, tables, buf, n, R, D, c0, w);
+        else scatter_block<T, 0>(b, tables, buf, n, R, D, c0, w);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < w; ++j) o[i * D + c0 + j] = buf[i * w + j] + (bias ? to_acc(bias[c0 + j]) : A(0));
+      }
+    });
+  }
+}
+#line 1 "modeling_memoryformer/csrc/cpu/lookup_packed.h"
+// The packed forward lookup.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ packed forward
+// Tables (float32, bfloat16, float16) about the size of the LLC, many tokens: the output is built in column blocks of
+// kPackCols columns for chunks of tokens; a thread takes whole (chunk, column block) units. For each group of tables,
+// two phases:
+// 1. copy ("pack") the group's rows restricted to the block into a contiguous buffer (a quarter of L2): a pure
+//    stream from L3 / DRAM, prefetched kPackAhead rows ahead. The copy exists because a column block of the table is
+//    strided (rows D * 4 >= 1 KB apart) and would map onto a few L2 sets only.
+// 2. the chunk's tokens add their lookups of the group from the buffer, several tokens at a time (tokens_for) with
+//    their sums in registers, into a compact [chunk, kPackCols] accumulator (a quarter of L2) that goes to the output
+//    after the last group, by non-temporal stores (whole 128-byte spans: no read for ownership of the output's
+//    lines, which the table stream would evict from the caches anyway).
+// The phases are not interleaved: interleaved, the stream's misses held the miss buffers that the gathers' L2 hits
+// need, and the kernel ran at the sum of both phases' times or worse. The table is read once per chunk instead of
+// once per lookup. The lookups are regrouped first, per group of tables (an int32 offset into the buffer and the
+// score, contiguous per group), so that each pass over a group reads them in order from a compact array.
+constexpr int64_t kPackVecs = kPackCols / kLanes;   // vectors per packed row: 2 (AVX-512), 4 (AVX2), 8 (NEON)
+static_assert(kPackCols % (2 * kLanes) == 0, "a packed row is whole pairs of vectors");
+constexpr int64_t kPackAhead = 32;   // rows prefetched (into L2) ahead of the copy
+
+// bfloat16 rows are widened by the bit pattern: a 32-bit word of a packed row holds columns 2j (low half) and 2j + 1
+// (high half), and `word << 16` and `word & 0xffff0000` are those two columns as float32, exactly (one integer
+// operation per 16 values, instead of a zero-extension and a shift per 16 values through at::vec::load_to_float, so
+// each group of rows stays a plain copy of the table's bytes). The sums of a block then hold its even columns in
+// the first vector of each pair and its odd columns in the second: the accumulator keeps that order (`acc_column`)
+// and the final store puts the columns back in place. AVX512_BF16's dot product (vdpbf16ps) over pairs of lookups is
+// not used: it would round the scores to bfloat16 and gains little, the gathers being bound by their loads and
+// integer operations as much as by the multiply-adds (docs/kernel.md).
+using iVec = at::vec::Vectorized<int32_t>;
+static_assert(iVec::size() == kLanes, "an int32 vector has as many lanes as a float vector");
+template <typename T> constexpr bool kSplitWords = std::is_same<T, c10::BFloat16>::value;
+
+// The column (within its block) held at position p of a block's sums: p itself, or for bfloat16 tables (see above)
+// position v * kLanes + i of vector v = 2 j + h holds column 2 (j * kLanes + i) + h.
+template <typename T> constexpr int64_t acc_column(int64_t p) {
+  if constexpr (kSplitWords<T>) {
+    const int64_t v = p / kLanes, i = p % kLanes;
+    return 2 * ((v / 2) * kLanes + i) + v % 2;
+  } else {
+    return p;
+  }
+}
+
+// acc[n + i, :] (+)= sum over the gn tables of the group of sc * pack[loc], for the TT tokens n .. n + TT - 1 of the
+// chunk, whose entries of the group are loc/sc[(n + i) * gn + k]; `first` starts from the bias block instead. A packed
+// row (and a row of acc) is V vectors wide: V * kLanes columns.
+template <int TT, int V, typename T>
+inline void packed_tokens(const int32_t* loc, const float* sc, const T* pack, const float* bias_block, float* acc,
+                          int64_t n, int64_t gn, bool first) {
+  constexpr int64_t C = V * kLanes;
+  fVec a[TT][V];
+#pragma GCC unroll 4
+  for (int i = 0; i < TT; ++i) {
+    const float* start = first ? bias_block : acc + (n + i) * C;
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) a[i][v] = fVec::loadu(start + v * kLanes);
+  }
+  const int32_t* l = loc + n * gn;
+  const float* s = sc + n * gn;
+  for (int64_t k = 0; k < gn; ++k) {
+#pragma GCC unroll 4
+    for (int i = 0; i < TT; ++i) {
+      const T* t = pack + l[i * gn + k];
+      const fVec w(s[i * gn + k]);
+      if constexpr (kSplitWords<T>) {
+        const iVec shift(16), high(int32_t(0xffff0000u));
+        const int32_t* words = reinterpret_cast<const int32_t*>(t);
+#pragma GCC unroll 4
+        for (int v = 0; v < V / 2; ++v) {
+          const iVec word = iVec::loadu(words + v * kLanes);
+          a[i][2 * v] = at::vec::fmadd(w, at::vec::cast<float>(word << shift), a[i][2 * v]);
+          a[i][2 * v + 1] = at::vec::fmadd(w, at::vec::cast<float>(word & high), a[i][2 * v + 1]);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) a[i][v] = at::vec::fmadd(w, load_floats(t + v * kLanes), a[i][v]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < TT; ++i) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) a[i][v].store(acc + (n + i) * C + v * kLanes);
+  }
+}
+
+// Whether the packed forward can run: float32, bfloat16 or float16 tables whose width is whole column blocks.
+bool packed_applies(at::ScalarType dtype, int64_t D) {
+  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && D % kPackCols == 0;
+}
+
+// Tokens summed at once for packed rows of V vectors: their sums fill at most half the vector registers, at most 4.
+constexpr int tokens_for(int64_t V) { return int(std::max<int64_t>(1, std::min<int64_t>(4, kVecRegs / 2 / V))); }
+
+// Column blocks of kPackCols a packed row spans: 2 for 16-bit tables (a row of 64 columns, 128 bytes) where the
+// registers still sum 2 or more tokens at once with rows that wide (32 vector registers of 16 floats: AVX-512), else 1.
+// The copy then reads 128 contiguous bytes of each table row instead of one 64-byte line at a stride of D * 2 bytes,
+// which streamed tables beyond the L3 more slowly (docs/kernel.md). 1 when the blocks do not pair.
+int64_t packed_span(int64_t element_bytes, int64_t nblk) {
+  const bool wide = element_bytes * kPackCols < 128 && tokens_for(2 * kPackVecs) >= 2;
+  return wide && nblk % 2 == 0 ? 2 : 1;
+}
+
+// T: the tables' dtype, which the packed rows keep (bfloat16 / float16 rows take half the bytes of float32 ones, so a
+// group holds twice the rows of one block, or as many rows of two blocks, and are widened to float32 in registers as
+// they are added); sums in float32; the output in T (bias in T). W: column blocks per packed row (packed_span).
+template <typename T, int64_t W>
+void lookup_packed_span(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
+                        int64_t N, int64_t K, int64_t P, int64_t D) {
+  constexpr int64_t C = W * kPackCols;   // columns of a packed row
+  constexpr int V = int(C / kLanes), TT = tokens_for(V);
+  const Tuning tu = tuning();
+  const int64_t G = std::min(K, std::max<int64_t>(1, tu.pack_group / (P * C * int64_t(sizeof(T)))));
+  // Chunks of equal size, at most pack_chunk tokens (a small last chunk would copy the whole table for few tokens).
+  // With W = 2 their accumulator fills all of L2 rather than half and spills to L3 in part, which costs less than
+  // streaming the tables once more (docs/kernel.md).
+  const int64_t nchunk = (N + tu.pack_chunk - 1) / tu.pack_chunk, chunk_size = (N + nchunk - 1) / nchunk;
+  const int64_t nspan = D / C;
+  TORCH_CHECK(G * P * C <= std::numeric_limits<int32_t>::max(),
+              "memoryformer.lookup: a packed group of ", G, " x ", P, " rows is too large for int32 offsets");
+  // Group-major lookups: group [g0, g0 + gn) holds, for token n and table g0 + k, at (g0 * N + n * gn + k), the
+  // offset of the row in the group's buffer and the score.
+  int32_t* loc = scratch<int32_t>(0, N * K);
+  float* sc = scratch<float>(1, N * K);
+  parallel_tokens(N, N * K * 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+      const int64_t gn = std::min(G, K - g0);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t k = 0; k < gn; ++k) {
+          loc[g0 * N + n * gn + k] = int32_t((rows[n * K + g0 + k] - g0 * P) * C);
+          sc[g0 * N + n * gn + k] = scores[n * K + g0 + k];
+        }
+    }
+  });
+  // Rows [0, nrows) of the group from g0, columns c0 .. c0 + C - 1, into pack.
+  auto copy = [=](T* pack, int64_t g0, int64_t nrows, int64_t c0) {
+    const T* base = tables + g0 * P * D + c0;
+    for (int64_t r = 0; r < nrows; ++r) {
+      const T* src = base + r * D;
+      if (r + kPackAhead < nrows)
+        for (int64_t c = 0; c < C; c += 64 / int64_t(sizeof(T))) __builtin_prefetch(src + kPackAhead * D + c, 0, 2);
+      std::memcpy(static_cast<void*>(pack + r * C), src, sizeof(T) * C);
+    }
+  };
+  parallel_tokens(nchunk * nspan, N * K * D, [&](int64_t u0, int64_t u1) {
+    // One scratch block: the accumulator [chunk, C] float32 first (64-byte aligned), then the packed rows.
+    const int64_t acc_floats = chunk_size * C, pack_bytes = G * P * C * int64_t(sizeof(T));
+    float* acc = static_cast<float*>(scratch_bytes(kWorkerSlot, size_t(acc_floats * int64_t(sizeof(float)) +
+                                                                        pack_bytes)));
+    T* pack = reinterpret_cast<T*>(acc + acc_floats);
+    alignas(64) float bias_block[C];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n0 = (u / nspan) * chunk_size, nn = std::min(chunk_size, N - n0), c0 = (u % nspan) * C;
+      for (int64_t p = 0; p < C; ++p) bias_block[p] = bias ? float(bias[c0 + acc_column<T>(p)]) : 0.0f;
+      for (int64_t g0 = 0; g0 < K; g0 += G) {
+        const int64_t gn = std::min(G, K - g0);
+        copy(pack, g0, gn * P, c0);
+        const int32_t* l = loc + g0 * N + n0 * gn;
+        const float* s = sc + g0 * N + n0 * gn;
+        const bool first = g0 == 0;
+        int64_t n = 0;
+        for (; n + TT <= nn; n += TT) packed_tokens<TT, V>(l, s, pack, bias_block, acc, n, gn, first);
+        for (; n < nn; ++n) packed_tokens<1, V>(l, s, pack, bias_block, acc, n, gn, first);
+      }
+      if constexpr (kSplitWords<T>) {   // columns back in place (each (even, odd) pair of vectors interleaved)
+        static_assert(at::vec::Vectorized<T>::size() == 2 * kLanes, "two float vectors round to one 16-bit vector");
+        for (int64_t i = 0; i < nn; ++i) {
+          const float* a = acc + i * C;
+          T* o = out + (n0 + i) * D + c0;
+#pragma GCC unroll 4
+          for (int v = 0; v < V; v += 2) {
+            const auto both = at::vec::interleave2(fVec::loadu(a + v * kLanes), fVec::loadu(a + (v + 1) * kLanes));
+            at::vec::convert_from_float<T>(std::get<0>(both), std::get<1>(both)).store(o + v * kLanes);
+          }
+        }
+      } else {
+        for (int64_t i = 0; i < nn; ++i) store_span(out + (n0 + i) * D + c0, acc + i * C, C, true);
+      }
+    }
+    stream_fence();
+  });
+}
+
+template <typename T>
+void lookup_packed(const int64_t* rows, const float* scores, const T* tables, const T* bias, T* out,
+                   int64_t N, int64_t K, int64_t P, int64_t D) {
+  if (N == 0) return;
+  if (packed_span(sizeof(T), D / kPackCols) == 2)
+    lookup_packed_span<T, 2>(rows, scores, tables, bias, out, N, K, P, D);
+  else
+    lookup_packed_span<T, 1>(rows, scores, tables, bias, out, N, K, P, D);
+}
+#line 1 "modeling_memoryformer/csrc/cpu/lookup.h"
+// The lookup ops: argument checks, the strategy choice, kStrategies and the forward ops.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ lookup ops
 // Column k of rows must index table k (rows k*P .. k*P + P - 1): anything else would read or write out of bounds.
 // One vectorised pass over all lookups (about 1% of a forward); on failure, the first bad entry is named.
 void check_rows(const at::Tensor& rows, int64_t P) {
@@ -1345,7 +1063,7 @@ void check_rows(const at::Tensor& rows, int64_t P) {
   }
   for (int64_t e = 0; bad && e < N * K; ++e) {
     const int64_t k = e % K, row = r[e];
-    TORCH_CHECK(row >= k * P && row < (k + 1) * P, "memoryformer_cpu: rows[:, ", k, "] must index table ", k,
+    TORCH_CHECK(row >= k * P && row < (k + 1) * P, "memoryformer: rows[:, ", k, "] must index table ", k,
                 " (rows ", k * P, " .. ", k * P + P - 1, "), got ", row);
   }
 }
@@ -1355,20 +1073,20 @@ void check_lookup_args(const at::Tensor& rows, const at::Tensor& scores, const a
                        int64_t rows_per_table, const char* op) {
   check_cpu_contiguous(rows, op, "rows");
   check_cpu_contiguous(tables, op, "tables");
-  TORCH_CHECK(scores.defined(), "memoryformer_cpu.", op, ": scores is undefined");
+  TORCH_CHECK(scores.defined(), "memoryformer.", op, ": scores is undefined");
   check_floating(scores, op, "scores");
   check_floating(tables, op, "tables");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.", op,
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer.", op,
               ": rows must be int64 [N, K], got ", rows.scalar_type(), " of shape ", rows.sizes());
-  TORCH_CHECK(rows.size(1) >= 1, "memoryformer_cpu.", op, ": rows must have one column per table (K >= 1), got ",
+  TORCH_CHECK(rows.size(1) >= 1, "memoryformer.", op, ": rows must have one column per table (K >= 1), got ",
               rows.sizes());
-  TORCH_CHECK(tables.dim() == 2, "memoryformer_cpu.", op, ": tables must be 2-D [K * rows_per_table, D], got shape ",
+  TORCH_CHECK(tables.dim() == 2, "memoryformer.", op, ": tables must be 2-D [K * rows_per_table, D], got shape ",
               tables.sizes());
-  TORCH_CHECK(rows_per_table >= 1, "memoryformer_cpu.", op, ": rows_per_table must be >= 1, got ", rows_per_table);
+  TORCH_CHECK(rows_per_table >= 1, "memoryformer.", op, ": rows_per_table must be >= 1, got ", rows_per_table);
   const int64_t K = rows.size(1);
-  TORCH_CHECK(tables.size(0) % K == 0 && tables.size(0) / K == rows_per_table, "memoryformer_cpu.", op,
+  TORCH_CHECK(tables.size(0) % K == 0 && tables.size(0) / K == rows_per_table, "memoryformer.", op,
               ": tables must have K * rows_per_table = ", K, " * ", rows_per_table, " rows, got ", tables.size(0));
-  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == K, "memoryformer_cpu.", op,
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == rows.size(0) && scores.size(1) == K, "memoryformer.", op,
               ": scores must have the shape of rows ", rows.sizes(), ", got ", scores.sizes());
   check_rows(rows, rows_per_table);
 }
@@ -1381,7 +1099,7 @@ std::pair<at::Tensor, at::Tensor> lookup_operands(const at::Tensor& scores, cons
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     check_floating(*bias, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == tables.size(1), "memoryformer_cpu.", op,
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == tables.size(1), "memoryformer.", op,
                 ": bias must be 1-D with one value per output column [", tables.size(1), "], got shape ",
                 bias->sizes());
     b = bias->to(tables.scalar_type()).contiguous();
@@ -1402,7 +1120,7 @@ at::Tensor bucketed_forward(const at::Tensor& rows, const at::Tensor& s, const a
   return out.scalar_type() == tables.scalar_type() ? out : out.to(tables.scalar_type());
 }
 
-// The forward strategy "auto" runs (see the design notes at the top):
+// The forward strategy "auto" runs (see the design notes in prelude.h):
 //   up to kSmallBatch tokens (or float64): token-major; float32, bfloat16 or float16 tables (width a multiple of
 //   kPackCols) with >= kPackedHits lookups per row and a (chunk, column block) unit per thread: packed, whatever the
 //   tables' size; other widths, tables beyond the LLC (Tuning::bucketed_min) with >= kBucketedHits lookups per row and
@@ -1421,6 +1139,18 @@ std::string choose_strategy(int64_t N, int64_t K, int64_t P, int64_t D, at::Scal
   return "embedding_bag";
 }
 
+// The forward strategies by name: the one list (Python reads it through the op lookup_strategies). A new strategy
+// is added here and in lookup_strategy_op's branches below.
+const std::array<std::string, 4> kStrategies = {"token", "embedding_bag", "packed", "bucketed"};
+
+std::string strategy_list() {
+  std::string out;
+  for (const auto& name : kStrategies) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+std::vector<std::string> lookup_strategies_op() { return {kStrategies.begin(), kStrategies.end()}; }
+
 // "auto" is what `lookup` runs; the others force one strategy (tests use them to check every branch).
 at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& tables,
                               const std::optional<at::Tensor>& bias, int64_t rows_per_table,
@@ -1428,15 +1158,15 @@ at::Tensor lookup_strategy_op(const at::Tensor& rows, const at::Tensor& scores, 
   check_lookup_args(rows, scores, tables, rows_per_table, "lookup");
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1), P = rows_per_table;
   std::string how(strategy);
-  TORCH_CHECK(how == "auto" || how == "token" || how == "embedding_bag" || how == "bucketed" || how == "packed",
-              "memoryformer_cpu.lookup_strategy: unknown strategy '", how,
-              "' (use auto, token, embedding_bag, bucketed or packed)");
+  const bool known = how == "auto" || std::find(kStrategies.begin(), kStrategies.end(), how) != kStrategies.end();
+  TORCH_CHECK(known, "memoryformer.lookup_strategy: unknown strategy '", how, "' (use auto or one of ",
+              strategy_list(), ")");
   if (how == "auto") how = choose_strategy(N, K, P, D, tables.scalar_type());
-  TORCH_CHECK(how != "packed" || packed_applies(tables.scalar_type(), D), "memoryformer_cpu.lookup_strategy: "
+  TORCH_CHECK(how != "packed" || packed_applies(tables.scalar_type(), D), "memoryformer.lookup_strategy: "
               "'packed' needs float32, bfloat16 or float16 tables with a width that is a multiple of ", kPackCols,
               ", got ", tables.scalar_type(), " tables of width ", D);
   TORCH_CHECK(how != "embedding_bag" || tables.scalar_type() != at::kDouble,
-              "memoryformer_cpu.lookup_strategy: 'embedding_bag' does not take float64 tables");
+              "memoryformer.lookup_strategy: 'embedding_bag' does not take float64 tables");
   at::Tensor s, b;
   std::tie(s, b) = lookup_operands(scores, tables, bias, "lookup");
   if (how == "bucketed") return bucketed_forward(rows, s, tables, b, P);
@@ -1468,16 +1198,162 @@ at::Tensor lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at:
                      const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
   return lookup_strategy_op(rows, scores, tables, bias, rows_per_table, "auto");
 }
+#line 1 "modeling_memoryformer/csrc/cpu/backward.h"
+// The backward of the lookup: the bucketed backward and the rows-hit backward, and their ops.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ bucketed backward
+// The backward over the lookups grouped by row as for the bucketed forward (Buckets, bucket_lookups and kBlockVecs
+// are in lookup_bucketed.h), in one pass over the table rows per column block. backward_hits_f32: float32, W = kBlock
+// columns, the row and the accumulators in vector registers (as scatter_hits_f32).
+template <bool kTables, bool kScores>
+inline void backward_hits_f32(const float* t, const int32_t* tok, const float* sc, int64_t e0, int64_t e1,
+                              const float* buf, float* acc, float* part) {
+  fVec tv[kBlockVecs], a[kBlockVecs];
+#pragma GCC unroll 16
+  for (int64_t v = 0; v < kBlockVecs; ++v) {
+    if (kScores) tv[v] = fVec::loadu(t + v * kLanes);
+    if (kTables) a[v] = fVec::loadu(acc + v * kLanes);
+  }
+  for (int64_t e = e0; e < e1; ++e) {
+    const float* y = buf + int64_t(tok[e]) * kBlock;
+    const fVec s(sc[e]);
+    fVec d0(0.0f), d1(0.0f);   // two partial dot products: half the dependency chain
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kBlockVecs; ++v) {
+      const fVec yv = fVec::loadu(y + v * kLanes);
+      if (kTables) a[v] = at::vec::fmadd(s, yv, a[v]);
+      if (kScores) {
+        if (v % 2 == 0) d0 = at::vec::fmadd(yv, tv[v], d0);
+        else d1 = at::vec::fmadd(yv, tv[v], d1);
+      }
+    }
+    if (kScores) part[e] += at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& z) { return x + z; }, d0 + d1);
+  }
+  if (kTables) {
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < kBlockVecs; ++v) a[v].store(acc + v * kLanes);
+  }
+}
+
+// Backward of one column block for one chunk, in the same single pass over the table rows:
+//   grad_tables[r, block] (+)= sum over lookups of r of scores * grad_y[token, block]  (written once, by one thread)
+//   part[position] += <grad_y[token, block], tables[r, block]>  (this block's share of the score gradient)
+// Rows no lookup hit are written as zeros by the first chunk (`first`) and left alone by later ones.
+template <typename T, int64_t W, bool kTables, bool kScores>
+void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
+                    const typename Acc<T>::type* buf, T* grad_tables, typename Acc<T>::type* part, int64_t R, int64_t D,
+                    int64_t c0, int64_t w, bool first) {
+  using A = typename Acc<T>::type;
+  const int64_t ww = W ? W : w;
+  const int64_t* st = b.start;
+  const int32_t* tok = b.token;
+  const A* sc = b.score;
+  alignas(64) A zeros[kBlock] = {};
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t e0 = st[r], e1 = st[r + 1];
+    T* g = kTables ? grad_tables + r * D + c0 : nullptr;
+    if (e0 == e1) {
+      if (kTables && first) store_span(g, zeros, ww, true);
+      continue;
+    }
+    if (kScores && r + kRowAhead < R) prefetch_span(tables + (r + kRowAhead) * D + c0, ww);
+    alignas(64) A tv[W ? W : kBlock], acc[W ? W : kBlock];
+    // Widening copies (by vectors for 16-bit values); float32 rows of a whole block are read in place below.
+    if (kScores && !(std::is_same<T, float>::value && W == kBlock)) load_span(tv, tables + r * D + c0, ww);
+    if (kTables) {
+      if (first) std::fill(acc, acc + ww, A(0));
+      else load_span(acc, g, ww);
+    }
+    if constexpr (std::is_same<A, float>::value && W == kBlock) {
+      const float* row;   // float32 tables: the row itself; bfloat16 / float16: its float32 copy in tv
+      if constexpr (std::is_same<T, float>::value) row = tables + r * D + c0;
+      else row = tv;
+      backward_hits_f32<kTables, kScores>(row, tok, sc, e0, e1, buf, acc, part);
+    } else {
+      for (int64_t e = e0; e < e1; ++e) {
+        const A* y = buf + int64_t(tok[e]) * ww;
+        const A s = sc[e];
+        A dot = 0;
+        if (W) {
+#pragma omp simd reduction(+ : dot)
+          for (int64_t j = 0; j < W; ++j) {
+            if (kTables) acc[j] += s * y[j];
+            if (kScores) dot += y[j] * tv[j];
+          }
+        } else {
+          for (int64_t j = 0; j < w; ++j) {
+            if (kTables) acc[j] += s * y[j];
+            if (kScores) dot += y[j] * tv[j];
+          }
+        }
+        if (kScores) part[e] += dot;
+      }
+    }
+    if (kTables) store_span(g, acc, ww, first);
+  }
+  stream_fence();
+}
+
+// GY: grad_y's dtype, the accumulation type or (float32 sums) a 16-bit type, widened as each column block is copied.
+template <typename T, bool kTables, bool kScores, typename GY = typename Acc<T>::type>
+void lookup_backward_bucketed(const GY* gy, const int64_t* rows,
+                              const typename Acc<T>::type* scores, const T* tables, T* grad_tables,
+                              typename Acc<T>::type* grad_scores, int64_t N, int64_t K, int64_t P, int64_t D) {
+  using A = typename Acc<T>::type;
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t R = K * P, nb = num_blocks(D), chunk = backward_chunk<A>(tuning(), threads);
+  Buckets<A> b;
+  A* parts = nullptr;
+  for (int64_t n0 = 0; n0 < N || n0 == 0; n0 += chunk) {
+    const int64_t n = std::min(chunk, N - n0);
+    bucket_lookups(rows + n0 * K, scores + n0 * K, n, K, P, b);
+    const GY* g = gy + n0 * D;
+    const int64_t L = n * K;
+    if (kScores) {
+      parts = scratch<A>(3, threads * L);
+      std::fill(parts, parts + threads * L, A(0));
+    }
+    A* pp = parts;
+    const bool first = n0 == 0;
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      A* buf = scratch<A>(kWorkerSlot, n * kBlock);
+      A* part = kScores ? pp + int64_t(at::get_thread_num()) * L : nullptr;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t c0 = blk * kBlock, w = std::min(kBlock, D - c0);
+        for (int64_t i = 0; i < n; ++i) load_span(buf + i * w, g + i * D + c0, w);   // memcpy when GY is A
+        if (w == kBlock)
+          backward_block<T, kBlock, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
+        else
+          backward_block<T, 0, kTables, kScores>(b, tables, buf, grad_tables, part, R, D, c0, w, first);
+      }
+    });
+    if (kScores) {  // sum the threads' shares and put each position's gradient back at its lookup (token, table)
+      A* gs = grad_scores + n0 * K;
+      const int32_t* tok = b.token;
+      parallel_tokens(K, L * threads, [=](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t e = k * n; e < (k + 1) * n; ++e) {
+            A v = 0;
+            for (int t = 0; t < threads; ++t) v += pp[int64_t(t) * L + e];
+            gs[int64_t(tok[e]) * K + k] = v;
+          }
+      });
+    }
+    if (N == 0) break;
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out, const at::Tensor& rows,
                                                       const at::Tensor& scores, const at::Tensor& tables,
                                                       int64_t rows_per_table, bool need_tables, bool need_scores) {
   check_lookup_args(rows, scores, tables, rows_per_table, "lookup_backward");
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
-  TORCH_CHECK(grad_out.defined(), "memoryformer_cpu.lookup_backward: grad_out is undefined");
+  TORCH_CHECK(grad_out.defined(), "memoryformer.lookup_backward: grad_out is undefined");
   check_floating(grad_out, "lookup_backward", "grad_out");
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
-              "memoryformer_cpu.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "], got ",
+              "memoryformer.lookup_backward: grad_out must be [N, D] = [", N, ", ", D, "], got ",
               grad_out.sizes());
   const auto acc = acc_type(tables.scalar_type());
   // A 16-bit grad_y (a bfloat16 or float16 model) is widened block by block inside the pass, not copied whole first.
@@ -1511,6 +1387,63 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward_op(const at::Tensor& grad_out
   return {gscores, gtables};
 }
 
+// ------------------------------------------------------------------------------------------------ rows-hit backward
+// The table gradient as the rows hit and their gradients only (a sparse gradient), for few tokens: the dense form
+// writes every row of the tables (zeros for the rows nobody hit: 33.5 MB for a d=512 layer of 256-row tables), which
+// dominates a backward of a few tokens. Per table k (tables split over the threads): the lookups (row, token) of the
+// table sorted by row (std::sort of N 64-bit keys), then each distinct row's gradient summed in float32 registers
+// over its tokens, in token order, and each lookup's score gradient <grad_y[n], tables[row]>. Output rows ascending
+// (table k's rows come before table k + 1's), so the sparse gradient is coalesced as made.
+// Pass 1: the sorted keys and the number of distinct rows of each table; pass 2 fills the outputs. From half a lookup
+// per row (2N >= rows per table) most rows are hit: the dense bucketed backward runs instead and its rows hit are
+// copied out.
+template <typename T>
+void backward_rows_kernel(const float* gy, const int64_t* rows, const float* scores, const T* tables,
+                          const uint64_t* keys, const int64_t* start, int64_t* out_rows, T* values,
+                          float* grad_scores, int64_t N, int64_t K, int64_t D) {
+  parallel_tokens(K, N * K * D, [=](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint64_t* kk = keys + k * N;
+      int64_t u = start[k];
+      for (int64_t e = 0; e < N;) {
+        const int64_t row = rows[(kk[e] & 0xffffffffu) * K + k];
+        int64_t e1 = e + 1;
+        while (e1 < N && (kk[e1] >> 32) == (kk[e] >> 32)) ++e1;
+        T* v = values + u * D;
+        out_rows[u++] = row;
+        const T* t = tables + row * D;
+        for (int64_t c0 = 0; c0 < D; c0 += kCols) {   // the row's gradient, kCols columns at a time in registers
+          const int64_t w = std::min(kCols, D - c0);
+          float acc[kCols] = {};
+          for (int64_t i = e; i < e1; ++i) {
+            const int64_t n = int64_t(kk[i] & 0xffffffffu);
+            const float sn = scores[n * K + k];
+            const float* g = gy + n * D + c0;
+#pragma omp simd
+            for (int64_t j = 0; j < w; ++j) acc[j] += sn * g[j];
+          }
+          store_span(v + c0, acc, w, false);   // 16-bit values rounded by vectors
+        }
+        if (grad_scores)
+          for (int64_t i = e; i < e1; ++i) {
+            const int64_t n = int64_t(kk[i] & 0xffffffffu);
+            const float* g = gy + n * D;
+            fVec d0(0.0f), d1(0.0f);   // the row widened by vectors (16-bit tables), two partial sums
+            int64_t j = 0;
+            for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
+              d0 = at::vec::fmadd(fVec::loadu(g + j), load_floats(t + j), d0);
+              d1 = at::vec::fmadd(fVec::loadu(g + j + kLanes), load_floats(t + j + kLanes), d1);
+            }
+            float dot = at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, d0 + d1);
+            for (; j < D; ++j) dot += g[j] * to_acc(t[j]);
+            grad_scores[n * K + k] = dot;
+          }
+        e = e1;
+      }
+    }
+  });
+}
+
 // The rows-hit backward (see above): -> (grad_scores [N, K] float32 or undefined, rows [U] int64 ascending, values
 // [U, D] in the tables' dtype), the U distinct rows hit and their gradients. float32, bfloat16 and float16 tables
 // (float64 ones take the dense backward); at most 2^32 - 1 tokens.
@@ -1522,19 +1455,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_backward_rows_op(const at:
   const char* op = "lookup_backward_rows";
   check_lookup_args(rows, scores, tables, rows_per_table, op);
   const int64_t N = rows.size(0), K = rows.size(1), D = tables.size(1);
-  TORCH_CHECK(tables.scalar_type() != at::kDouble, "memoryformer_cpu.lookup_backward_rows: float64 tables take the "
+  TORCH_CHECK(tables.scalar_type() != at::kDouble, "memoryformer.lookup_backward_rows: float64 tables take the "
               "dense backward (lookup_backward)");
-  TORCH_CHECK(N < (int64_t(1) << 32), "memoryformer_cpu.lookup_backward_rows: at most 2^32 - 1 tokens, got ", N);
-  TORCH_CHECK(grad_out.defined(), "memoryformer_cpu.lookup_backward_rows: grad_out is undefined");
+  TORCH_CHECK(N < (int64_t(1) << 32), "memoryformer.lookup_backward_rows: at most 2^32 - 1 tokens, got ", N);
+  TORCH_CHECK(grad_out.defined(), "memoryformer.lookup_backward_rows: grad_out is undefined");
   check_floating(grad_out, op, "grad_out");
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == N && grad_out.size(1) == D,
-              "memoryformer_cpu.lookup_backward_rows: grad_out must be [N, D] = [", N, ", ", D, "], got ",
+              "memoryformer.lookup_backward_rows: grad_out must be [N, D] = [", N, ", ", D, "], got ",
               grad_out.sizes());
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t P = rows_per_table, R = K * P;
   if (2 * N >= P) {
-    // Half a lookup per row or more: most rows are hit, and the per-row pass below reads grad_y rows at random (1.2 s
-    // instead of 0.2 s at 8192 tokens, d = 1024). The dense bucketed backward, then its rows hit.
+    // Half a lookup per row or more: most rows are hit, and the per-row pass below reads grad_y rows at random, far
+    // slower than the dense pass (docs/kernel.md). The dense bucketed backward, then its rows hit.
     at::Tensor gscores, gtables;
     std::tie(gscores, gtables) = lookup_backward_op(grad_out, rows, scores, tables, P, true, need_scores);
     std::vector<uint8_t> hit(size_t(R), 0);
@@ -1582,37 +1515,134 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_backward_rows_op(const at:
   });
   return {gscores, out_rows, values};
 }
+#line 1 "modeling_memoryformer/csrc/cpu/int8.h"
+// The lookup on int8 tables.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ int8 tables
+// Tables stored in FBGEMM's 8-bit row-wise layout (what torch.ops.quantized.embedding_bag_byte_prepack writes): row r
+// is D + 8 bytes, its D codes q then a float32 scale and a float32 offset, v = q * scale + offset. A lookup is
+//   y[n] = sum_k s[n,k] (q[r] * scale[r] + offset[r]) = sum_k (s[n,k] scale[r]) q[r] + sum_k s[n,k] offset[r]
+// with r = rows[n,k]: the codes are converted to float in registers and weighted by s * scale, and the offsets make one
+// value per token, added to all of its columns. First pass (int8_weights): those weights [N, K] and the per-token
+// offsets [N], from the 8 bytes after each hit row's codes.
+constexpr int64_t kInt8RowBytes = 8;   // the float32 scale and offset after a row's codes
+
+inline void int8_row_params(const uint8_t* row_end, float& scale, float& offset) {   // row_end: past the codes
+  std::memcpy(&scale, row_end, sizeof(float));       // not 4-byte aligned when D % 4 != 0
+  std::memcpy(&offset, row_end + 4, sizeof(float));
+}
+
+void int8_weights(const int64_t* rows, const float* scores, const uint8_t* packed, float* weights,
+                  float* token_offset, int64_t N, int64_t K, int64_t D) {
+  const int64_t W = D + kInt8RowBytes;
+  parallel_tokens(N, N * K * 16, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float off = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        float scale, offset;
+        int8_row_params(packed + rows[n * K + k] * W + D, scale, offset);
+        const float s = scores[n * K + k];
+        weights[n * K + k] = s * scale;
+        off += s * offset;
+      }
+      token_offset[n] = off;
+    }
+  });
+}
+
+// a + s0 q0 + s1 q1 + s2 q2 + s3 q3 as four chained multiply-adds (written as one sum of products, the compiler
+// emitted separate multiplies and adds, which was slower; docs/kernel.md).
+inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t q0, uint8_t q1, uint8_t q2,
+                        uint8_t q3) {
+  a += s0 * float(int32_t(q0));
+  a += s1 * float(int32_t(q1));
+  a += s2 * float(int32_t(q2));
+  a += s3 * float(int32_t(q3));
+  return a;
+}
+
+constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
+
+// Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
+// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead (this token's or
+// the next one's) prefetched. Plain loops that the compiler vectorises, converting the codes in registers (GCC for
+// AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add per 16 codes). This is about
+// 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so quantization.py uses FBGEMM
+// beyond a few tokens; at one token the rows' reads dominate and this pass, which issues them at once with no
+// per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
+void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
+                       const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
+  const int64_t W = D + kInt8RowBytes;
+  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t* rn = rows + n * K;
+      const float* wn = weights + n * K;
+      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
+      const float off = token_offset[n];
+      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
+        const int64_t w = std::min(kCols, D - c0);
+        float acc[kCols];
+        for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
+        int64_t k = 0;
+        for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
+          for (int64_t i = 0; i < kInt8Rows; ++i)
+            if (k + i + kAhead < ahead_limit) prefetch_span(packed + rn[k + i + kAhead] * W + c0, w);
+          const uint8_t* q0 = packed + rn[k] * W + c0;
+          const uint8_t* q1 = packed + rn[k + 1] * W + c0;
+          const uint8_t* q2 = packed + rn[k + 2] * W + c0;
+          const uint8_t* q3 = packed + rn[k + 3] * W + c0;
+          const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
+          if (w == kCols) {
+#pragma omp simd
+            for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
+          } else {
+            for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
+          }
+        }
+        for (; k < K; ++k) {
+          if (k + kAhead < ahead_limit) prefetch_span(packed + rn[k + kAhead] * W + c0, w);
+          const uint8_t* q = packed + rn[k] * W + c0;
+          const float s = wn[k];
+          for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
+        }
+        float* o = out + n * D + c0;
+        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
+      }
+    }
+  });
+}
 
 // int8 tables (see "int8 tables"): packed uint8 [K * rows_per_table, D + 8], rows and scores as for lookup (rows[:, k]
-// in table k), bias of D floating values or none -> float32 [N, D], by the token-major pass. The packed pass over int8
-// rows (codes converted to float while copied, scale folded into the weights) was measured and dropped: at 64 tables
-// x 256 rows and 2048 tokens it took 3.2 ms at d=512 and 4.2 ms at d=768 against 1.9 and 3.1 for FBGEMM's 8-bit
-// embedding bag, which quantization.py uses for many tokens.
+// in table k), bias of D floating values or none -> float32 [N, D], by the token-major pass. There is no packed pass
+// over int8 rows: it was slower than FBGEMM's 8-bit embedding bag, which quantization.py uses for many tokens
+// (docs/kernel.md).
 at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& packed,
                           const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
   const char* op = "int8_lookup";
   check_cpu_contiguous(rows, op, "rows");
   check_cpu_contiguous(packed, op, "packed");
-  TORCH_CHECK(scores.defined(), "memoryformer_cpu.int8_lookup: scores is undefined");
+  TORCH_CHECK(scores.defined(), "memoryformer.int8_lookup: scores is undefined");
   check_floating(scores, op, "scores");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer_cpu.int8_lookup: rows must be int64 "
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer.int8_lookup: rows must be int64 "
               "[N, K], got ", rows.scalar_type(), " of shape ", rows.sizes());
-  TORCH_CHECK(rows.size(1) >= 1, "memoryformer_cpu.int8_lookup: rows must have one column per table (K >= 1), got ",
+  TORCH_CHECK(rows.size(1) >= 1, "memoryformer.int8_lookup: rows must have one column per table (K >= 1), got ",
               rows.sizes());
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) >= kInt8RowBytes,
-              "memoryformer_cpu.int8_lookup: packed must be uint8 [rows, D + 8] (FBGEMM's row-wise layout: D codes, "
+              "memoryformer.int8_lookup: packed must be uint8 [rows, D + 8] (FBGEMM's row-wise layout: D codes, "
               "then a float32 scale and offset per row), got ", packed.scalar_type(), " of shape ", packed.sizes());
-  TORCH_CHECK(rows_per_table >= 1, "memoryformer_cpu.int8_lookup: rows_per_table must be >= 1, got ", rows_per_table);
+  TORCH_CHECK(rows_per_table >= 1, "memoryformer.int8_lookup: rows_per_table must be >= 1, got ", rows_per_table);
   const int64_t N = rows.size(0), K = rows.size(1), D = packed.size(1) - kInt8RowBytes, P = rows_per_table;
-  TORCH_CHECK(packed.size(0) % K == 0 && packed.size(0) / K == P, "memoryformer_cpu.int8_lookup: packed must have "
+  TORCH_CHECK(packed.size(0) % K == 0 && packed.size(0) / K == P, "memoryformer.int8_lookup: packed must have "
               "K * rows_per_table = ", K, " * ", P, " rows, got ", packed.size(0));
-  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == N && scores.size(1) == K, "memoryformer_cpu.int8_lookup: scores "
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == N && scores.size(1) == K, "memoryformer.int8_lookup: scores "
               "must have the shape of rows ", rows.sizes(), ", got ", scores.sizes());
   check_rows(rows, P);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     check_floating(*bias, op, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == D, "memoryformer_cpu.int8_lookup: bias must be 1-D with one "
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == D, "memoryformer.int8_lookup: bias must be 1-D with one "
                 "value per output column [", D, "], got shape ", bias->sizes());
     b = bias->to(at::kFloat).contiguous();
   }
@@ -1628,6 +1658,51 @@ at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, cons
   int8_lookup_token(r, weights, token_offset, q, bp, out.data_ptr<float>(), N, K, D);
   return out;
 }
+#line 1 "modeling_memoryformer/csrc/cpu/linear_rows.h"
+// The few-row linear (the LM head while decoding).
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ few-row linear
+// y = x W^T (+ b) for a few rows of x (decoding: the LM head of one token reads a [vocab, d] weight for one row of
+// output). Each weight row is read once for all rows of x, and the output columns are split over the threads in
+// contiguous ranges, so the pass streams W once. The dot products of a weight row run as at least 4 independent FMA
+// chains (4 per row of x for one row, 2 for two, one each from four): with fewer a core streams W at about half the
+// speed of a plain sum over W, as the BLAS GEMV that nn.Linear calls for one row did (docs/kernel.md).
+constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
+
+// T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x, b and y float32.
+template <int64_t M, typename T>
+void linear_rows_kernel(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V) {
+  constexpr int64_t L = kLanes;
+  constexpr int64_t C = M == 1 ? 4 : 2;   // chains per row of x: 4, 4, 6 and 8 in all for M = 1 .. 4
+  const int64_t Dc = D - D % (C * L), Dv = D - D % L;
+  const auto add = [](fVec& p, fVec& q) { return p + q; };
+  at::parallel_for(0, V, 1024, [=](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const T* wv = w + v * D;
+      fVec a[M][C];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < C; ++c) a[m][c] = fVec(0.f);
+      for (int64_t j = 0; j < Dc; j += C * L) {
+        for (int64_t c = 0; c < C; ++c) {
+          const fVec u = load_floats(wv + j + c * L);
+          for (int64_t m = 0; m < M; ++m) a[m][c] = at::vec::fmadd(fVec::loadu(x + m * D + j + c * L), u, a[m][c]);
+        }
+      }
+      for (int64_t j = Dc; j < Dv; j += L) {
+        const fVec u = load_floats(wv + j);
+        for (int64_t m = 0; m < M; ++m) a[m][0] = at::vec::fmadd(fVec::loadu(x + m * D + j), u, a[m][0]);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t c = 1; c < C; ++c) a[m][0] = a[m][0] + a[m][c];
+        float sum = at::vec::vec_reduce_all<float>(add, a[m][0]);
+        for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(wv[j]);
+        y[m * V + v] = b ? sum + b[v] : sum;
+      }
+    }
+  });
+}
 
 // y = x W^T (+ b) for x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V], all float32 or all bfloat16 (see
 // linear_rows_kernel): sums in float32, y in their dtype (bfloat16: rounded once, as F.linear).
@@ -1636,18 +1711,18 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
   check_cpu_contiguous(x, op, "x");
   check_cpu_contiguous(weight, op, "weight");
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype, "memoryformer_cpu."
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype, "memoryformer."
               "linear_rows: x and weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ", dtype);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kLinearMaxRows, "memoryformer_cpu.linear_rows: x must "
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kLinearMaxRows, "memoryformer.linear_rows: x must "
               "be [M, D] with 1 <= M <= ", kLinearMaxRows, ", got shape ", x.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "memoryformer_cpu.linear_rows: weight must be "
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "memoryformer.linear_rows: weight must be "
               "[V, D] with D = ", x.size(1), " (the width of x), got shape ", weight.sizes());
   const int64_t M = x.size(0), D = x.size(1), V = weight.size(0);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     check_cpu_contiguous(*bias, op, "bias");
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == V,
-                "memoryformer_cpu.linear_rows: bias must be ", dtype, " [V] = [", V, "] (the weight's dtype), got ",
+                "memoryformer.linear_rows: bias must be ", dtype, " [V] = [", V, "] (the weight's dtype), got ",
                 bias->scalar_type(), " of shape ", bias->sizes());
     b = bias->to(at::kFloat);
   }
@@ -1668,6 +1743,10 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
   else run(weight.data_ptr<c10::BFloat16>());
   return dtype == at::kFloat ? y : y.to(dtype);
 }
+#line 1 "modeling_memoryformer/csrc/cpu/introspection.h"
+// Introspection: the kernel's facts and settings.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 // ------------------------------------------------------------------------------------------------ introspection
 std::string isa_op() { return MEMORYFORMER_ISA; }
@@ -1680,7 +1759,7 @@ std::vector<int64_t> machine_info_op() {
 }
 
 void set_cache_sizes_op(int64_t l1, int64_t l2, int64_t l3) {
-  TORCH_CHECK(l1 >= 0 && l2 >= 0 && l3 >= 0, "memoryformer_cpu.set_cache_sizes: sizes must be >= 0 bytes "
+  TORCH_CHECK(l1 >= 0 && l2 >= 0 && l3 >= 0, "memoryformer.set_cache_sizes: sizes must be >= 0 bytes "
               "(0, 0, 0 restores the detected caches), got ", l1, ", ", l2, ", ", l3);
   const bool reset = l1 == 0 && l2 == 0 && l3 == 0;
   override_l1.store(l1);
@@ -1689,12 +1768,16 @@ void set_cache_sizes_op(int64_t l1, int64_t l2, int64_t l3) {
 }
 
 std::string plan_op(int64_t N, int64_t K, int64_t P, int64_t D, at::ScalarType dtype, bool backward) {
-  TORCH_CHECK(N >= 0 && K >= 1 && P >= 1 && D >= 1, "memoryformer_cpu.plan: need tokens >= 0, num_tables >= 1, "
+  TORCH_CHECK(N >= 0 && K >= 1 && P >= 1 && D >= 1, "memoryformer.plan: need tokens >= 0, num_tables >= 1, "
               "rows_per_table >= 1 and out_features >= 1, got ", N, ", ", K, ", ", P, ", ", D);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "memoryformer_cpu.plan: dtype must be float32, float64, bfloat16 or float16, got ", dtype);
+              "memoryformer.plan: dtype must be float32, float64, bfloat16 or float16, got ", dtype);
   return backward ? "bucketed" : choose_strategy(N, K, P, D, dtype);
 }
+#line 1 "modeling_memoryformer/csrc/cpu/optimizer_steps.h"
+// The row-wise steps of the table optimizers.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 // ------------------------------------------------------------------------------------------------ table optimizers
 // The row-wise table optimizers of training/table_optimizer.py (same formulas), in one pass per row instead of the
@@ -1707,19 +1790,19 @@ void check_table_step(const at::Tensor& weight, const at::Tensor& grad, double l
                       const char* op) {
   check_cpu_contiguous(weight, op, "weight");
   check_cpu_contiguous(grad, op, "grad");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat, "memoryformer_cpu.", op,
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat, "memoryformer.", op,
               ": weight and grad must be float32, got ", weight.scalar_type(), " and ", grad.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && grad.sizes() == weight.sizes(), "memoryformer_cpu.", op, ": weight must be 2-D "
+  TORCH_CHECK(weight.dim() == 2 && grad.sizes() == weight.sizes(), "memoryformer.", op, ": weight must be 2-D "
               "[rows, width] and grad of the same shape, got ", weight.sizes(), " and ", grad.sizes());
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0, "memoryformer_cpu.", op, ": lr must be finite and >= 0, got ", lr);
-  TORCH_CHECK(std::isfinite(eps) && eps > 0, "memoryformer_cpu.", op, ": eps must be finite and > 0, got ", eps);
-  TORCH_CHECK(std::isfinite(weight_decay) && weight_decay >= 0, "memoryformer_cpu.", op,
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0, "memoryformer.", op, ": lr must be finite and >= 0, got ", lr);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "memoryformer.", op, ": eps must be finite and > 0, got ", eps);
+  TORCH_CHECK(std::isfinite(weight_decay) && weight_decay >= 0, "memoryformer.", op,
               ": weight_decay must be finite and >= 0, got ", weight_decay);
 }
 
 void check_state(const at::Tensor& state, at::IntArrayRef shape, const char* op, const char* name) {
   check_cpu_contiguous(state, op, name);
-  TORCH_CHECK(state.scalar_type() == at::kFloat && state.sizes() == shape, "memoryformer_cpu.", op, ": ", name,
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.sizes() == shape, "memoryformer.", op, ": ", name,
               " must be float32 of shape ", shape, ", got ", state.scalar_type(), " of shape ", state.sizes());
 }
 
@@ -1760,8 +1843,8 @@ void adam_rowwise_step_op(const at::Tensor& weight, const at::Tensor& grad, cons
   const int64_t R = weight.size(0), D = weight.size(1);
   check_state(exp_avg, weight.sizes(), op, "exp_avg");
   check_state(exp_avg_sq, {R}, op, "exp_avg_sq");
-  TORCH_CHECK(step >= 1, "memoryformer_cpu.", op, ": step must be >= 1 (the number of this step), got ", step);
-  TORCH_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "memoryformer_cpu.", op,
+  TORCH_CHECK(step >= 1, "memoryformer.", op, ": step must be >= 1 (the number of this step), got ", step);
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "memoryformer.", op,
               ": betas must be in [0, 1), got ", beta1, " and ", beta2);
   float* w = weight.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
@@ -1785,38 +1868,17 @@ void adam_rowwise_step_op(const at::Tensor& weight, const at::Tensor& grad, cons
     }
   });
 }
+#line 1 "modeling_memoryformer/csrc/cpu/registration.cpp"
+// The end of the anonymous namespace and the op registration (CPU kernels only: the schemas are defined in Python).
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 }  // namespace
 
-// One indirection so that MEMORYFORMER_OPS is expanded before TORCH_LIBRARY pastes it into names.
-#define MEMORYFORMER_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+// One indirection so that MEMORYFORMER_OPS is expanded before TORCH_LIBRARY_IMPL pastes it into names.
 #define MEMORYFORMER_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
-MEMORYFORMER_LIBRARY(MEMORYFORMER_OPS, m) {
-  m.def("hash(Tensor x, int hash_bits, bool l1, float temperature) -> (Tensor, Tensor)");
-  m.def("hash_backward(Tensor grad_scores, Tensor x, int hash_bits, bool l1, float temperature) -> Tensor");
-  m.def("lookup(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table) -> Tensor");
-  m.def("lookup_backward(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
-        "bool need_tables, bool need_scores) -> (Tensor, Tensor)");
-  m.def("lookup_backward_rows(Tensor grad_out, Tensor rows, Tensor scores, Tensor tables, int rows_per_table, "
-        "bool need_scores) -> (Tensor, Tensor, Tensor)");
-  m.def("lookup_strategy(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table, str strategy) "
-        "-> Tensor");
-  m.def("int8_lookup(Tensor rows, Tensor scores, Tensor packed, Tensor? bias, int rows_per_table) -> Tensor");
-  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_rows_max() -> int", &linear_rows_max_op);
-  m.def("rowwise_adagrad_step(Tensor(a!) weight, Tensor grad, Tensor(b!) state_sum, float lr, float eps, "
-        "float weight_decay) -> ()");
-  m.def("adam_rowwise_step(Tensor(a!) weight, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
-        "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
-  m.def("release_gradient_pool() -> int", &release_gradient_pool);
-  m.def("isa() -> str", &isa_op);
-  m.def("machine_info() -> int[]", &machine_info_op);
-  m.def("set_cache_sizes(int l1, int l2, int l3) -> ()", &set_cache_sizes_op);
-  m.def("plan(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
-        "-> str", &plan_op);
-}
-
+// The schemas are defined in Python (memory_op_library.py, OP_SCHEMAS) before this library is loaded.
 MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("hash", &hash_op);
   m.impl("hash_backward", &hash_backward_op);
@@ -1828,5 +1890,17 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("linear_rows", &linear_rows_op);
   m.impl("rowwise_adagrad_step", &rowwise_adagrad_step_op);
   m.impl("adam_rowwise_step", &adam_rowwise_step_op);
+}
+
+// The kernel's own facts and settings take no tensor, so the dispatcher has no device to choose by: they are
+// registered for every backend.
+MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CompositeExplicitAutograd, m) {
+  m.impl("linear_rows_max", &linear_rows_max_op);
+  m.impl("release_gradient_pool", &release_gradient_pool);
+  m.impl("isa", &isa_op);
+  m.impl("machine_info", &machine_info_op);
+  m.impl("set_cache_sizes", &set_cache_sizes_op);
+  m.impl("plan", &plan_op);
+  m.impl("lookup_strategies", &lookup_strategies_op);
 }
 """

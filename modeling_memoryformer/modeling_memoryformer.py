@@ -37,6 +37,7 @@ from .memory_ops import (
     table_rows,
 )
 from .quantization import (
+    TableStorageMixin,
     INT8_ROW_BYTES,
     Int8LMHead,
     assemble_int8,
@@ -568,7 +569,26 @@ def check_loaded_exactly(model: nn.Module, info: dict, source) -> None:
     )
 
 
-class MemoryFormerPreTrainedModel(PreTrainedModel):
+class MemoryFormerLMHead(nn.Linear):
+    """The LM head: an `nn.Linear` (same parameters, hooks, PEFT and quantisation as one) whose forward reads the
+    weight with the fused few-row pass while decoding (`memory_ops.few_rows_linear`), where BLAS's GEMV is slow.
+    A bfloat16 weight (`lm_head_dtype="bfloat16"`) in a wider model runs bfloat16 products summed in float32."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16 and hidden_states.dtype != torch.bfloat16:
+            return bf16_linear(hidden_states, self.weight, self.bias)
+        return few_rows_linear(hidden_states, self.weight, self.bias)
+
+
+def build_lm_head(config: MemoryFormerConfig) -> nn.Module:
+    """The LM head in the storage `config.lm_head_dtype` asks for: float (the model's dtype), bfloat16 or int8."""
+    if config.lm_head_dtype == "int8":
+        return Int8LMHead(config.hidden_size, config.vocab_size)
+    dtype = torch.bfloat16 if config.lm_head_dtype == "bfloat16" else None
+    return MemoryFormerLMHead(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+
+class MemoryFormerPreTrainedModel(TableStorageMixin, PreTrainedModel):
     config_class = MemoryFormerConfig
     config: MemoryFormerConfig
     base_model_prefix = "model"
@@ -585,6 +605,8 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
         "hidden_states": MemoryFormerDecoderLayer,
         "attentions": MemoryFormerAttention,
     }
+    _memory_layer_class = MemoryLayer  # for TableStorageMixin (quantization.py)
+    _lm_head_class = MemoryFormerLMHead
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -620,107 +642,6 @@ class MemoryFormerPreTrainedModel(PreTrainedModel):
                 init.normal_(module.bias, mean=0.0, std=0.001)
             elif module.bias is not None:
                 init.zeros_(module.bias)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Tables and LM head stored in bfloat16 or int8 for inference (quantization.py)
-    @torch.no_grad()
-    def quantize_tables(self, dtype: str, lm_head: str | None = None):
-        """Store every Memory Layer's tables as `dtype`, in place, and record it in the config (`table_dtype`) so that
-        `save_pretrained` / `from_pretrained` keep it; returns the model.
-
-        dtype: "int8" (codes with a float32 scale and offset per row, about a quarter of the float32 bytes; inference
-            only: the model refuses `train()` and backward passes) or "bf16" (half; the tables stay trainable).
-        lm_head: also store the LM head as "int8" (a float32 scale per row, inference only) or "bf16"; None leaves it.
-        Rows are summed in float32 and the model's outputs keep their dtype.
-        """
-        dtype = canonical_storage_dtype(dtype, "dtype")
-        if dtype is None:
-            raise ValueError(
-                "quantize_tables needs dtype='int8' or 'bf16'; use model.quantize_lm_head(...) to quantise only the "
-                "LM head, and model.dequantize_tables() to go back to float32."
-            )
-        layers = [m for m in self.modules() if isinstance(m, MemoryLayer)]
-        if dtype != "int8" and any(layer.table_dtype == "int8" for layer in layers):
-            raise ValueError(
-                f"The tables are int8 already; storing them as {dtype} would round them twice. Quantise the float32 "
-                "model instead, or call model.dequantize_tables() first."
-            )
-        for layer in layers:  # one layer at a time: the float32 copy of only one is alive at once
-            layer.quantize_tables_(dtype)
-        self.config.table_dtype = dtype
-        if lm_head is not None:
-            self.quantize_lm_head(lm_head)
-        if self._inference_only_parts():
-            self.eval()
-        return self
-
-    @torch.no_grad()
-    def quantize_lm_head(self, dtype: str):
-        """Store the LM head as "int8" (per-row symmetric, float32 scales; inference only) or "bf16"; returns the
-        model. Recorded in the config (`lm_head_dtype`)."""
-        dtype = canonical_storage_dtype(dtype, "lm_head")
-        head = self.get_output_embeddings() if hasattr(self, "lm_head") else None
-        if dtype is None or head is None:
-            raise ValueError(
-                "quantize_lm_head needs 'int8' or 'bf16' and a model with an LM head (MemoryFormerForCausalLM); "
-                f"got {dtype!r} for a {type(self).__name__}."
-            )
-        if self.config.tie_word_embeddings:
-            raise ValueError(
-                "This model ties its LM head to the input embedding (tie_word_embeddings=True): the head has no weight "
-                "of its own to quantise. Quantise only the tables (lm_head=None)."
-            )
-        if dtype == self.config.lm_head_dtype:
-            return self
-        if isinstance(head, Int8LMHead):
-            raise ValueError(
-                f"The LM head is int8 already; storing it as {dtype} would round it twice. Quantise the float32 model "
-                "instead, or call model.dequantize_tables() first."
-            )
-        if type(head) is not MemoryFormerLMHead:
-            raise ValueError(
-                f"The LM head is a {type(head).__name__}, not this model's MemoryFormerLMHead (e.g. wrapped by PEFT): "
-                "merge or unload the adapter first."
-            )
-        if dtype == "int8":
-            self.lm_head = Int8LMHead.from_weight(head.weight)
-            self.lm_head.eval()
-        else:
-            head.weight = nn.Parameter(head.weight.to(torch.bfloat16), requires_grad=head.weight.requires_grad)
-        self.config.lm_head_dtype = dtype
-        return self
-
-    @torch.no_grad()
-    def dequantize_tables(self, dtype: torch.dtype = torch.float32):
-        """Undo `quantize_tables` / `quantize_lm_head`: tables and LM head back to trainable `dtype` parameters holding
-        the stored values (int8: codes * scale + offset, rounding error included); returns the model."""
-        for layer in self.modules():
-            if isinstance(layer, MemoryLayer):
-                layer.dequantize_tables_(dtype)
-        self.config.table_dtype = None
-        head = getattr(self, "lm_head", None)
-        if isinstance(head, Int8LMHead):
-            self.lm_head = MemoryFormerLMHead(head.in_features, head.out_features, bias=False,
-                                              device=head.weight_int8.device, dtype=dtype)
-            self.lm_head.weight.copy_(head.dequantized_weight())
-        elif isinstance(head, MemoryFormerLMHead) and head.weight.dtype != dtype:
-            head.weight = nn.Parameter(head.weight.to(dtype))
-        self.config.lm_head_dtype = None
-        return self
-
-    def _inference_only_parts(self) -> str | None:
-        """What stops this model from training ("int8 tables", "an int8 LM head"), or None."""
-        parts = []
-        if any(isinstance(m, MemoryLayer) and m.table_dtype == "int8" for m in self.modules()):
-            parts.append("int8 tables")
-        if any(isinstance(m, Int8LMHead) for m in self.modules()):
-            parts.append("an int8 LM head")
-        return " and ".join(parts) or None
-
-    def train(self, mode: bool = True):
-        if mode and (parts := self._inference_only_parts()):
-            raise RuntimeError(training_refusal(parts))  # before any submodule changes its mode
-        return super().train(mode)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # A model sharded by FSDP2 has a class made at run time in torch's module (FSDPMemoryFormerForCausalLM): it is
@@ -854,25 +775,6 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return with_cache(BaseModelOutputWithPast, past_key_values, last_hidden_state=hidden_states)
-
-
-class MemoryFormerLMHead(nn.Linear):
-    """The LM head: an `nn.Linear` (same parameters, hooks, PEFT and quantisation as one) whose forward reads the
-    weight with the fused few-row pass while decoding (`memory_ops.few_rows_linear`), where BLAS's GEMV is slow.
-    A bfloat16 weight (`lm_head_dtype="bfloat16"`) in a wider model runs bfloat16 products summed in float32."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.bfloat16 and hidden_states.dtype != torch.bfloat16:
-            return bf16_linear(hidden_states, self.weight, self.bias)
-        return few_rows_linear(hidden_states, self.weight, self.bias)
-
-
-def build_lm_head(config: MemoryFormerConfig) -> nn.Module:
-    """The LM head in the storage `config.lm_head_dtype` asks for: float (the model's dtype), bfloat16 or int8."""
-    if config.lm_head_dtype == "int8":
-        return Int8LMHead(config.hidden_size, config.vocab_size)
-    dtype = torch.bfloat16 if config.lm_head_dtype == "bfloat16" else None
-    return MemoryFormerLMHead(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
 
 class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):

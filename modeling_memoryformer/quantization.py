@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .memory_ops import _use_fused, hashed_rows
+from .configuration_memoryformer import canonical_storage_dtype
+from .memory_kernels import fused_ops, uses_fused
+from .memory_ops import hashed_rows
 
 
 INT8_ROW_BYTES = 8  # the float32 scale and offset after each row's codes
@@ -193,9 +195,9 @@ def int8_lookup(
     weights = scores.reshape(-1, num_tables).to(torch.float32)
     if block is None and codes.device.type == "cpu":
         block = int8_block(codes, scale, offset)
-    fused = block is not None and _use_fused(block) and int8_cpu_path(flat_rows.shape[0]) == "fused"
+    fused = block is not None and uses_fused(block) and int8_cpu_path(flat_rows.shape[0]) == "fused"
     if fused:  # the bias is added in the kernel
-        y = torch.ops.memoryformer_cpu.int8_lookup(
+        y = fused_ops().int8_lookup(
             flat_rows.contiguous(), weights.detach(), block, None if bias is None else bias.detach(),
             codes.shape[0] // num_tables,
         )
@@ -315,3 +317,115 @@ def bf16_linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.T
     by the backend's bfloat16 GEMM, the result returned in the input's dtype."""
     y = F.linear(hidden_states.to(torch.bfloat16), weight, None if bias is None else bias.to(torch.bfloat16))
     return y.to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model's API for stored dtypes
+
+
+class TableStorageMixin:
+    """`quantize_tables`, `quantize_lm_head` and `dequantize_tables` of MemoryFormerPreTrainedModel, and its refusal
+    to train int8 parts. The model class names its Memory Layer and LM head classes in `_memory_layer_class` and
+    `_lm_head_class`."""
+
+    _memory_layer_class: type
+    _lm_head_class: type
+
+    @torch.no_grad()
+    def quantize_tables(self, dtype: str, lm_head: str | None = None):
+        """Store every Memory Layer's tables as `dtype`, in place, and record it in the config (`table_dtype`) so that
+        `save_pretrained` / `from_pretrained` keep it; returns the model.
+
+        dtype: "int8" (codes with a float32 scale and offset per row, about a quarter of the float32 bytes; inference
+            only: the model refuses `train()` and backward passes) or "bf16" (half; the tables stay trainable).
+        lm_head: also store the LM head as "int8" (a float32 scale per row, inference only) or "bf16"; None leaves it.
+        Rows are summed in float32 and the model's outputs keep their dtype.
+        """
+        dtype = canonical_storage_dtype(dtype, "dtype")
+        if dtype is None:
+            raise ValueError(
+                "quantize_tables needs dtype='int8' or 'bf16'; use model.quantize_lm_head(...) to quantise only the "
+                "LM head, and model.dequantize_tables() to go back to float32."
+            )
+        layers = [m for m in self.modules() if isinstance(m, self._memory_layer_class)]
+        if dtype != "int8" and any(layer.table_dtype == "int8" for layer in layers):
+            raise ValueError(
+                f"The tables are int8 already; storing them as {dtype} would round them twice. Quantise the float32 "
+                "model instead, or call model.dequantize_tables() first."
+            )
+        for layer in layers:  # one layer at a time: the float32 copy of only one is alive at once
+            layer.quantize_tables_(dtype)
+        self.config.table_dtype = dtype
+        if lm_head is not None:
+            self.quantize_lm_head(lm_head)
+        if self._inference_only_parts():
+            self.eval()
+        return self
+
+    @torch.no_grad()
+    def quantize_lm_head(self, dtype: str):
+        """Store the LM head as "int8" (per-row symmetric, float32 scales; inference only) or "bf16"; returns the
+        model. Recorded in the config (`lm_head_dtype`)."""
+        dtype = canonical_storage_dtype(dtype, "lm_head")
+        head = self.get_output_embeddings() if hasattr(self, "lm_head") else None
+        if dtype is None or head is None:
+            raise ValueError(
+                "quantize_lm_head needs 'int8' or 'bf16' and a model with an LM head (MemoryFormerForCausalLM); "
+                f"got {dtype!r} for a {type(self).__name__}."
+            )
+        if self.config.tie_word_embeddings:
+            raise ValueError(
+                "This model ties its LM head to the input embedding (tie_word_embeddings=True): the head has no weight "
+                "of its own to quantise. Quantise only the tables (lm_head=None)."
+            )
+        if dtype == self.config.lm_head_dtype:
+            return self
+        if isinstance(head, Int8LMHead):
+            raise ValueError(
+                f"The LM head is int8 already; storing it as {dtype} would round it twice. Quantise the float32 model "
+                "instead, or call model.dequantize_tables() first."
+            )
+        if type(head) is not self._lm_head_class:
+            raise ValueError(
+                f"The LM head is a {type(head).__name__}, not this model's MemoryFormerLMHead (e.g. wrapped by PEFT): "
+                "merge or unload the adapter first."
+            )
+        if dtype == "int8":
+            self.lm_head = Int8LMHead.from_weight(head.weight)
+            self.lm_head.eval()
+        else:
+            head.weight = nn.Parameter(head.weight.to(torch.bfloat16), requires_grad=head.weight.requires_grad)
+        self.config.lm_head_dtype = dtype
+        return self
+
+    @torch.no_grad()
+    def dequantize_tables(self, dtype: torch.dtype = torch.float32):
+        """Undo `quantize_tables` / `quantize_lm_head`: tables and LM head back to trainable `dtype` parameters holding
+        the stored values (int8: codes * scale + offset, rounding error included); returns the model."""
+        for layer in self.modules():
+            if isinstance(layer, self._memory_layer_class):
+                layer.dequantize_tables_(dtype)
+        self.config.table_dtype = None
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, Int8LMHead):
+            self.lm_head = self._lm_head_class(head.in_features, head.out_features, bias=False,
+                                              device=head.weight_int8.device, dtype=dtype)
+            self.lm_head.weight.copy_(head.dequantized_weight())
+        elif isinstance(head, self._lm_head_class) and head.weight.dtype != dtype:
+            head.weight = nn.Parameter(head.weight.to(dtype))
+        self.config.lm_head_dtype = None
+        return self
+
+    def _inference_only_parts(self) -> str | None:
+        """What stops this model from training ("int8 tables", "an int8 LM head"), or None."""
+        parts = []
+        if any(isinstance(m, self._memory_layer_class) and m.table_dtype == "int8" for m in self.modules()):
+            parts.append("int8 tables")
+        if any(isinstance(m, Int8LMHead) for m in self.modules()):
+            parts.append("an int8 LM head")
+        return " and ".join(parts) or None
+
+    def train(self, mode: bool = True):
+        if mode and (parts := self._inference_only_parts()):
+            raise RuntimeError(training_refusal(parts))  # before any submodule changes its mode
+        return super().train(mode)

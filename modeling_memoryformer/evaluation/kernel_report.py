@@ -3,7 +3,7 @@
 Reports the CPU model and its vector features, the cache sizes and thread count the kernel plans with, whether the
 fused kernel is built and loaded (and its compiled vector layer) or why not, and, for every Memory Layer shape of a
 preset, the strategy the kernel's "auto" picks for the forward and the backward at a few token counts
-(`torch.ops.memoryformer_cpu.plan`). Nothing here builds a model: the shapes come from the config
+(`torch.ops.memoryformer.plan`). Nothing here builds a model: the shapes come from the config
 (`memory_layer_shapes`), and a test checks them against the MemoryLayer modules of a real model.
 
 Default token counts (`DEFAULT_WORKLOADS`), the workloads of `make bench`: 1 (one decode step of batch 1), 2048 (a
@@ -13,106 +13,16 @@ prefill of batch 1 x 2048 tokens) and 4096 (a training step of batch 8 x 512).
 from __future__ import annotations
 
 import json
-import os
 import platform
 from dataclasses import asdict, dataclass
 
 from ..configuration_memoryformer import MemoryFormerConfig
+from ..cpu_facts import cpu_features, cpu_model, detected_cache_sizes, parse_size
 from .settings import KernelsSettings
 
 
 DEFAULT_WORKLOADS = {1: "decode, batch 1", 2048: "prefill, 1 x 2048", 4096: "training, 8 x 512"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
-STRATEGIES = ("token", "embedding_bag", "packed", "bucketed")
-
-# Vector features worth knowing for this kernel, in the order printed (names as /proc/cpuinfo spells them).
-X86_FEATURES = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-)
-ARM_FEATURES = ("asimd", "asimdhp", "asimddp", "fphp", "bf16", "i8mm", "sve", "sve2", "svebf16", "sme")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The machine
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return f.read().splitlines()
-    except OSError:
-        return []
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name ("AMD EPYC 9R14 ..."), or the best the platform module knows."""
-    for line in _cpuinfo():
-        key = line.split(":", 1)[0].strip().lower()
-        if key in ("model name", "hardware", "cpu model") and ":" in line:
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_features() -> list[str]:
-    """The vector features of the CPU that matter here (x86: SSE4.2 ... AVX-512, AMX; aarch64: ASIMD, SVE, ...)."""
-    for line in _cpuinfo():
-        key = line.split(":", 1)[0].strip().lower()
-        if key in ("flags", "features") and ":" in line:
-            flags = set(line.split(":", 1)[1].split())
-            wanted = ARM_FEATURES if key == "features" else X86_FEATURES
-            return [name for name in wanted if name in flags]
-    return []
-
-
-def detected_cache_sizes() -> tuple[int, int, int]:
-    """(L1d, L2, L3) bytes as the OS reports them (sysfs, then sysconf); 0 where unknown. Used without the kernel.
-
-    sysfs first: glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) can be wrong in VMs (320 MiB for a 32 MiB L3 on an AMD EPYC
-    guest with glibc 2.36), while /sys/devices/system/cpu/cpu0/cache has what the hypervisor exposes.
-    """
-    sizes = [0, 0, 0]
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        entries = sorted(os.listdir(base))
-    except OSError:
-        entries = []
-    for entry in entries:
-        try:
-            with open(os.path.join(base, entry, "level"), encoding="utf-8") as f:
-                level = int(f.read())
-            with open(os.path.join(base, entry, "type"), encoding="utf-8") as f:
-                kind = f.read().strip()
-            with open(os.path.join(base, entry, "size"), encoding="utf-8") as f:
-                size = parse_size(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if 1 <= level <= 3 and kind in ("Data", "Unified") and not sizes[level - 1]:
-            sizes[level - 1] = size
-    for i, name in enumerate(("SC_LEVEL1_DCACHE_SIZE", "SC_LEVEL2_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE")):
-        if not sizes[i]:
-            try:
-                sizes[i] = max(0, int(os.sysconf(name)))
-            except (ValueError, OSError, AttributeError):
-                pass
-    return sizes[0], sizes[1], sizes[2]
-
-
-def parse_size(text: str) -> int:
-    """"48K", "1M", "32MiB", "1048576" -> bytes (binary multiples)."""
-    value = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(value[-1:], 1)
-    number = value[:-1] if scale > 1 else value
-    try:
-        size = int(float(number) * scale)
-    except ValueError:
-        raise ValueError(
-            f"{text!r} is not a size; write bytes or a number with K, M or G, e.g. 48K, 1M, 32M."
-        ) from None
-    if size < 0:
-        raise ValueError(f"a cache size cannot be negative, got {text!r}.")
-    return size
-
 
 def format_bytes(num_bytes: int) -> str:
     """Binary units, as cache sizes are quoted: 48 KiB, 1 MiB, 100.7 MiB."""
@@ -171,51 +81,43 @@ def memory_layer_shapes(config: MemoryFormerConfig) -> list[LayerShape]:
 
 
 def _ops():
-    import torch
+    from ..memory_kernels import fused_ops
 
-    return torch.ops.memoryformer_cpu
+    return fused_ops()
 
 
 def _has_op(name: str) -> bool:
-    try:
-        return hasattr(_ops(), name)
-    except Exception:  # an unloaded namespace
+    """Whether the loaded fused kernel implements op `name` (False without the kernel)."""
+    from .. import memory_backend_cpu
+
+    if memory_backend_cpu.fused_state() is not True:
         return False
+    try:
+        op = getattr(_ops(), name)
+    except AttributeError:
+        return False
+    import torch
+
+    qualname = op.default.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)
+               for key in ("CPU", "CompositeExplicitAutograd"))
 
 
 def kernel_status() -> dict:
     """Whether the fused kernel loads (building it the first time), its vector layer, and what Memory Layers use."""
-    import warnings
+    from .. import memory_kernels
 
-    from .. import memory_ops
-
-    reason = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback warning: the report prints its reason itself
-        try:
-            loaded = memory_ops.load_fused_kernels()
-        except (RuntimeError, ValueError) as error:  # MEMORYFORMER_REQUIRE_FUSED=1, or a malformed setting
-            loaded, reason = False, str(error)
-    if not loaded and reason is None:  # the fallback warning (silenced here: the report prints it) carries this
-        reason = memory_ops._fused_error or "the build failed earlier in this process"
-    try:
-        selected, selection_error = memory_ops.get_kernel(), None
-    except (ValueError, RuntimeError) as error:
-        selected, selection_error = None, str(error)
-    status = {
-        "loaded": bool(loaded),
-        "reason": reason,
-        "isa": None,
-        "setting": os.environ.get("MEMORYFORMER_KERNEL", "auto"),
-        "selected": selected,
-        "selection_error": selection_error,
-        "missing_ops": [],
+    status = memory_kernels.kernel_status()
+    return {
+        "loaded": status.fused_loaded,
+        "reason": status.unavailable_reason,
+        "isa": status.isa,
+        "setting": status.setting,
+        "selected": status.selected,
+        "selection_error": status.error if status.selected is None else None,
+        "missing_ops": [op for op in ("isa", "machine_info", "set_cache_sizes", "plan") if not _has_op(op)]
+        if status.fused_loaded else [],
     }
-    if loaded:
-        status["missing_ops"] = [op for op in ("isa", "machine_info", "set_cache_sizes", "plan") if not _has_op(op)]
-        if _has_op("isa"):
-            status["isa"] = str(_ops().isa())
-    return status
 
 
 def machine_info() -> dict | None:
@@ -408,19 +310,19 @@ def load_kernel_timed() -> float:
     the first call in this process (later calls return them again without loading): close to 0 when the extension
     was already built (cached on disk) or already loaded. With MEMORYFORMER_KERNEL=torch nothing is built (0 s).
     A kernel that cannot be used is not an error here: the fallback warns as usual (its reason stays in
-    memory_ops._fused_error), MEMORYFORMER_REQUIRE_FUSED's error or a malformed setting is kept in _load_error, and
+    the kernel status), MEMORYFORMER_REQUIRE_FUSED's error or a malformed setting is kept in _load_error, and
     `run_facts` reports either.
     """
     global _load_seconds, _load_error
     if _load_seconds is None:
         import time
 
-        from .. import memory_ops
+        from .. import memory_backend_cpu, memory_kernels
 
         start = time.perf_counter()
-        if memory_ops._kernel_choice != "torch":
+        if memory_kernels.kernel_setting() != "torch":
             try:
-                memory_ops.load_fused_kernels()
+                memory_backend_cpu.load_fused_kernels()
             except (RuntimeError, ValueError) as error:
                 _load_error = str(error)
         _load_seconds = time.perf_counter() - start
@@ -443,14 +345,11 @@ def run_facts() -> dict:
     import torch
     import transformers
 
-    from .. import memory_ops
+    from .. import memory_kernels
 
     load_s = load_kernel_timed()
-    try:
-        kernel, kernel_error = memory_ops.get_kernel(), None
-    except (ValueError, RuntimeError) as error:
-        kernel, kernel_error = None, str(error)
-    fused_loaded = memory_ops._fused_state is True
+    status = memory_kernels.kernel_status(load=False)
+    kernel, kernel_error, fused_loaded = status.selected, status.error, status.fused_loaded
     info = machine_info() if fused_loaded else None
     if info is not None:
         caches = {"l1d_bytes": info["l1d_bytes"], "l2_bytes": info["l2_bytes"], "l3_bytes": info["l3_bytes"],
@@ -460,14 +359,12 @@ def run_facts() -> dict:
         caches = {"l1d_bytes": l1, "l2_bytes": l2, "l3_bytes": l3, "source": "os"}
     return {
         "memory_layer_kernel": kernel,  # "fused" or "torch" (None: the setting cannot be honoured, see the error)
-        "kernel_setting": memory_ops._kernel_choice,
+        "kernel_setting": status.setting,
         "kernel_error": kernel_error,
         "fused_kernel_loaded": fused_loaded,
-        "fused_kernel_isa": str(_ops().isa()) if fused_loaded and _has_op("isa") else None,
-        "fused_kernel_march": os.environ.get("MEMORYFORMER_KERNEL_MARCH", "native") if fused_loaded else None,
-        "fused_kernel_unavailable_reason": None if fused_loaded else (
-            _load_error or memory_ops._fused_error
-            or ("not loaded: MEMORYFORMER_KERNEL=torch" if memory_ops._kernel_choice == "torch" else None)),
+        "fused_kernel_isa": status.isa,
+        "fused_kernel_march": status.march,
+        "fused_kernel_unavailable_reason": None if fused_loaded else (_load_error or status.unavailable_reason),
         "cpu_model": cpu_model(),
         "cpu_arch": platform.machine(),
         "cpu_features": cpu_features(),

@@ -27,8 +27,8 @@ perplexity on Tiny Shakespeare, so they were removed.
 
 How it runs (`TableAdamW`): one optimizer object holds every parameter. The dense ones (embeddings, head, norms,
 biases) take AdamW in `step()` as usual. The tables are updated inside the backward pass, fused into the Memory
-Layer's backward: the optimizer attaches an update to each table parameter (memory_ops.TABLE_UPDATE_ATTR), and the
-lookup's backward computes the table gradient one group of whole tables at a time (`memory_ops.update_group_bytes`:
+Layer's backward: the optimizer attaches an update to each table parameter (memory_table_updates.TABLE_UPDATE_ATTR), and the
+lookup's backward computes the table gradient one group of whole tables at a time (`memory_table_updates.update_group_bytes`:
 at least a quarter of the last-level cache and, for float32 tables, twice the layer's output gradient, at most half
 of its tables), takes that group's score gradient from the not yet updated rows, and hands the group to the rule at
 once. No tensor the size of the tables ever holds a gradient and `.grad` stays None; the rules are row-wise, so
@@ -62,7 +62,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..memory_ops import TABLE_UPDATE_ATTR
+from ..memory_table_updates import TABLE_UPDATE_ATTR
 from . import TABLE_OPTIMIZERS
 from .settings import check_table_optimizer_setup
 
@@ -97,9 +97,9 @@ def _fused_step_ops(weight: torch.Tensor, grad: torch.Tensor, *states: torch.Ten
     tensors = (weight, grad, *states)
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
-    from ..memory_ops import _use_fused
+    from ..memory_kernels import fused_ops, uses_fused
 
-    return torch.ops.memoryformer_cpu if _use_fused(weight) else None
+    return fused_ops() if uses_fused(weight) else None
 
 
 def second_moment_shape(rows: int, segments: int = 1) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import torch
 from modeling_memoryformer import memory_ops
 
 RAISES = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)  # TORCH_CHECK and schema errors
-STRATEGIES = ("token", "embedding_bag", "packed", "bucketed")
+STRATEGIES = tuple(memory_ops.lookup_strategies())  # the kernel's own list
 ISAS = ("AVX512", "AVX2", "NEON", "DEFAULT")
 
 N, TAU, K, D = 5, 4, 4, 8  # 5 tokens, tau 4, 4 tables of P = 16 rows, 8 columns
@@ -77,50 +77,53 @@ def group_hash(ops, c: Calls) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, K * TAU, generator=g)
 
-    def check_hash(x, tau, l1, t):
+    def check_hash(x, tau, score, t):
         def check(out):
             rows, scores = out
             want_rows = memory_ops.table_rows(memory_ops.hash_codes(x, tau), tau)
             want_scores = memory_ops.hash_scores(x.float() if x.dtype != torch.float64 else x, tau,
-                                                 "l1" if l1 else "paper", t)
+                                                 score, t)
             return (None if torch.equal(rows, want_rows) else "rows differ from memory_ops.hash_codes") or _close(
                 scores, want_scores, 1e-5 if x.dtype != torch.float64 else 1e-10)
         return check
 
-    c.add("valid paper score", "ok", lambda: ops.hash(x, TAU, False, 1.0), check_hash(x, TAU, False, 1.0))
-    c.add("valid l1 score, t=0.5", "ok", lambda: ops.hash(x, TAU, True, 0.5), check_hash(x, TAU, True, 0.5))
+    c.add("valid paper score", "ok", lambda: ops.hash(x, TAU, "paper", 1.0), check_hash(x, TAU, "paper", 1.0))
+    c.add("valid l1 score, t=0.5", "ok", lambda: ops.hash(x, TAU, "l1", 0.5), check_hash(x, TAU, "l1", 0.5))
+    for name in ("cosine", "", "L1", "paper "):
+        c.add(f"score {name!r} (unknown: refused, never run as another)", "raise",
+              lambda name=name: ops.hash(x, TAU, name, 1.0))
     empty = torch.randn(0, K * TAU)
-    c.add("0 tokens", "ok", lambda: ops.hash(empty, TAU, False, 1.0), check_hash(empty, TAU, False, 1.0))
+    c.add("0 tokens", "ok", lambda: ops.hash(empty, TAU, "paper", 1.0), check_hash(empty, TAU, "paper", 1.0))
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         xd = x.to(dtype)
-        c.add(f"x {dtype}", "ok", lambda xd=xd: ops.hash(xd, TAU, False, 1.0),
-              check_hash(xd.float() if dtype != torch.float64 else xd, TAU, False, 1.0))
+        c.add(f"x {dtype}", "ok", lambda xd=xd: ops.hash(xd, TAU, "paper", 1.0),
+              check_hash(xd.float() if dtype != torch.float64 else xd, TAU, "paper", 1.0))
     for tau in (1, 16):
         xt = torch.randn(3, 16, generator=g)
-        c.add(f"hash_bits {tau}", "ok", lambda xt=xt, tau=tau: ops.hash(xt, tau, False, 1.0),
-              check_hash(xt, tau, False, 1.0))
+        c.add(f"hash_bits {tau}", "ok", lambda xt=xt, tau=tau: ops.hash(xt, tau, "paper", 1.0),
+              check_hash(xt, tau, "paper", 1.0))
 
-    c.add("x 1-D", "raise", lambda: ops.hash(x[0], TAU, False, 1.0))
-    c.add("x 3-D", "raise", lambda: ops.hash(x[None], TAU, False, 1.0))
-    c.add("x 0-D", "raise", lambda: ops.hash(torch.tensor(1.0), TAU, False, 1.0))
+    c.add("x 1-D", "raise", lambda: ops.hash(x[0], TAU, "paper", 1.0))
+    c.add("x 3-D", "raise", lambda: ops.hash(x[None], TAU, "paper", 1.0))
+    c.add("x 0-D", "raise", lambda: ops.hash(torch.tensor(1.0), TAU, "paper", 1.0))
     for dtype in (torch.int64, torch.int32, torch.bool, torch.complex64):
-        c.add(f"x {dtype}", "raise", lambda dtype=dtype: ops.hash(torch.ones(N, K * TAU, dtype=dtype), TAU, False, 1.0))
+        c.add(f"x {dtype}", "raise", lambda dtype=dtype: ops.hash(torch.ones(N, K * TAU, dtype=dtype), TAU, "paper", 1.0))
     for tau in (0, -1, 17, 3, 5, 64, 1 << 40):
-        c.add(f"hash_bits {tau}", "raise", lambda tau=tau: ops.hash(x, tau, False, 1.0))
+        c.add(f"hash_bits {tau}", "raise", lambda tau=tau: ops.hash(x, tau, "paper", 1.0))
     for t in (0.0, -1.0, math.nan, -math.inf):
-        c.add(f"temperature {t}", "raise", lambda t=t: ops.hash(x, TAU, False, t))
+        c.add(f"temperature {t}", "raise", lambda t=t: ops.hash(x, TAU, "paper", t))
 
     def check_inf(out):  # the limit t -> inf: every factor is 1 + exp(0) = 2, p = 2**-tau
         return _close(out[1], torch.full((N, K), 2.0**-TAU), 1e-6)
 
-    c.add("temperature inf", "either", lambda: ops.hash(x, TAU, False, math.inf), check_inf)
+    c.add("temperature inf", "either", lambda: ops.hash(x, TAU, "paper", math.inf), check_inf)
     xt = torch.randn(K * TAU, N, generator=g).t()
-    c.add("x non-contiguous", "either", lambda: ops.hash(xt, TAU, False, 1.0), check_hash(xt, TAU, False, 1.0))
-    c.add("x with 0 features", "either", lambda: ops.hash(torch.randn(N, 0), TAU, False, 1.0),
+    c.add("x non-contiguous", "either", lambda: ops.hash(xt, TAU, "paper", 1.0), check_hash(xt, TAU, "paper", 1.0))
+    c.add("x with 0 features", "either", lambda: ops.hash(torch.randn(N, 0), TAU, "paper", 1.0),
           lambda out: None if out[0].shape == (N, 0) and out[1].shape == (N, 0) else f"shapes {out[0].shape}")
     special = x.clone()
     special[0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
-    c.add("x with nan and inf values", "either", lambda: ops.hash(special, TAU, False, 1.0),
+    c.add("x with nan and inf values", "either", lambda: ops.hash(special, TAU, "paper", 1.0),
           lambda out: None if out[0].shape == (N, K) else f"shape {out[0].shape}")
 
 
@@ -129,48 +132,52 @@ def group_hash_backward(ops, c: Calls) -> None:
     x = torch.randn(N, K * TAU, generator=g)
     gs = torch.randn(N, K, generator=g)
 
-    def check_grad(gs, x, tau, l1, t):
+    def check_grad(gs, x, tau, score, t):
         def check(out):
             xr = x.detach().double().requires_grad_()
-            scores = memory_ops.hash_scores(xr, tau, "l1" if l1 else "paper", t)
+            scores = memory_ops.hash_scores(xr, tau, score, t)
             (want,) = torch.autograd.grad(scores, xr, gs.double()) if xr.numel() else (torch.zeros_like(xr),)
             return _close(out, want.to(x.dtype), _tol(x.dtype) * 10)
         return check
 
     hb = ops.hash_backward
-    c.add("valid", "ok", lambda: hb(gs, x, TAU, False, 1.0), check_grad(gs, x, TAU, False, 1.0))
-    c.add("valid l1, t=0.5", "ok", lambda: hb(gs, x, TAU, True, 0.5), check_grad(gs, x, TAU, True, 0.5))
-    c.add("0 tokens", "ok", lambda: hb(torch.ones(0, K), torch.randn(0, K * TAU), TAU, False, 1.0),
+    c.add("valid", "ok", lambda: hb(gs, x, TAU, "paper", 1.0), check_grad(gs, x, TAU, "paper", 1.0))
+    c.add("valid l1, t=0.5", "ok", lambda: hb(gs, x, TAU, "l1", 0.5), check_grad(gs, x, TAU, "l1", 0.5))
+    c.add("0 tokens", "ok", lambda: hb(torch.ones(0, K), torch.randn(0, K * TAU), TAU, "paper", 1.0),
           lambda out: None if out.shape == (0, K * TAU) else f"shape {tuple(out.shape)}")
     xb = x.to(torch.bfloat16)
-    c.add("x bfloat16, grad_scores float32", "ok", lambda: hb(gs, xb, TAU, False, 1.0),
-          check_grad(gs, xb, TAU, False, 1.0))
+    c.add("x bfloat16, grad_scores float32", "ok", lambda: hb(gs, xb, TAU, "paper", 1.0),
+          check_grad(gs, xb, TAU, "paper", 1.0))
 
     c.add("hash_bits 0 (once a SIGFPE)", "raise",
-          lambda: hb(torch.ones(4, 4), torch.randn(4, 16), 0, False, 1.0))
+          lambda: hb(torch.ones(4, 4), torch.randn(4, 16), 0, "paper", 1.0))
     for tau in (-1, 17, 3, 5, 64):
-        c.add(f"hash_bits {tau}", "raise", lambda tau=tau: hb(gs, x, tau, False, 1.0))
+        c.add(f"hash_bits {tau}", "raise", lambda tau=tau: hb(gs, x, tau, "paper", 1.0))
     c.add("grad_scores [1] for x [65536, 1024] (once a SIGSEGV)", "raise",
-          lambda: hb(torch.ones(1), torch.randn(65536, 1024), 4, False, 1.0))
+          lambda: hb(torch.ones(1), torch.randn(65536, 1024), 4, "paper", 1.0))
     for shape in ((N - 1, K), (N + 1, K), (N, K - 1), (N, K + 1), (N * K,), (N, K, 1), ()):
         c.add(f"grad_scores {list(shape)} for x [{N}, {K * TAU}]", "raise",
-              lambda shape=shape: hb(torch.ones(shape), x, TAU, False, 1.0))
-    c.add("grad_scores int64", "raise", lambda: hb(torch.ones(N, K, dtype=torch.long), x, TAU, False, 1.0))
-    c.add("x int64", "raise", lambda: hb(gs, torch.ones(N, K * TAU, dtype=torch.long), TAU, False, 1.0))
-    c.add("x 1-D", "raise", lambda: hb(gs[0], x[0], TAU, False, 1.0))
-    c.add("x 3-D", "raise", lambda: hb(gs[None], x[None], TAU, False, 1.0))
+              lambda shape=shape: hb(torch.ones(shape), x, TAU, "paper", 1.0))
+    c.add("grad_scores int64", "raise", lambda: hb(torch.ones(N, K, dtype=torch.long), x, TAU, "paper", 1.0))
+    c.add("x int64", "raise", lambda: hb(gs, torch.ones(N, K * TAU, dtype=torch.long), TAU, "paper", 1.0))
+    c.add("x 1-D", "raise", lambda: hb(gs[0], x[0], TAU, "paper", 1.0))
+    c.add("x 3-D", "raise", lambda: hb(gs[None], x[None], TAU, "paper", 1.0))
     for t in (0.0, -1.0, math.nan, -math.inf):
-        c.add(f"temperature {t}", "raise", lambda t=t: hb(gs, x, TAU, False, t))
+        c.add(f"temperature {t}", "raise", lambda t=t: hb(gs, x, TAU, "paper", t))
 
-    c.add("temperature inf", "either", lambda: hb(gs, x, TAU, False, math.inf),
+    c.add("temperature inf", "either", lambda: hb(gs, x, TAU, "paper", math.inf),
           lambda out: None if out.shape == x.shape and bool(torch.isfinite(out).all()) else "non-finite or misshaped")
     xt = torch.randn(K * TAU, N, generator=g).t()
-    c.add("x non-contiguous", "either", lambda: hb(gs, xt, TAU, False, 1.0), check_grad(gs, xt, TAU, False, 1.0))
+    c.add("x non-contiguous", "either", lambda: hb(gs, xt, TAU, "paper", 1.0), check_grad(gs, xt, TAU, "paper", 1.0))
     gst = torch.randn(K, N, generator=g).t()
-    c.add("grad_scores non-contiguous", "either", lambda: hb(gst, x, TAU, False, 1.0),
-          check_grad(gst, x, TAU, False, 1.0))
-    c.add("grad_scores float64", "either", lambda: hb(gs.double(), x, TAU, False, 1.0),
-          check_grad(gs, x, TAU, False, 1.0))
+    c.add("grad_scores non-contiguous", "either", lambda: hb(gst, x, TAU, "paper", 1.0),
+          check_grad(gst, x, TAU, "paper", 1.0))
+    c.add("grad_scores float64", "either", lambda: hb(gs.double(), x, TAU, "paper", 1.0),
+          check_grad(gs, x, TAU, "paper", 1.0))
+    for name in ("cosine", "", "L1", "paper "):
+        c.add(f"score {name!r} (unknown: refused, never run as another)", "raise",
+              lambda name=name: hb(gs, x, TAU, name, 1.0))
+
 
 
 def _lookup_operands(seed: int, n: int = N, d: int = D):
@@ -607,7 +614,7 @@ def main(group: str, skip: set[str]) -> int:
     if not memory_ops.load_fused_kernels():
         print("UNAVAILABLE the fused kernel does not load here", flush=True)
         return 0
-    ops = torch.ops.memoryformer_cpu
+    ops = torch.ops.memoryformer
     missing = [op for op in REQUIRED_OPS[group] if not hasattr(ops, op)]
     if missing:
         print(f"MISSING {' '.join(missing)}", flush=True)

@@ -27,7 +27,7 @@ def fused_kernel():
 
 
 def ops():
-    return torch.ops.memoryformer_cpu
+    return torch.ops.memoryformer
 
 
 def hashed_inputs(n, num_tables, hash_bits, out_features, dtype, seed=0):
@@ -380,7 +380,7 @@ def test_hash_backward_gradients_from_the_pool_never_alias_and_few_idle_ones_are
     for n, d in shapes:
         x = torch.randn(n, d, generator=g)
         grad_scores = torch.randn(n, d // 4, generator=g)
-        gx = ops().hash_backward(grad_scores, x, 4, False, 1.0)
+        gx = ops().hash_backward(grad_scores, x, 4, "paper", 1.0)
         held.append(gx[: n // 2])  # a view keeps the block alive
         copies.append(gx.clone())
         del gx
@@ -406,11 +406,11 @@ def test_16_bit_hash_is_the_float32_hash_of_the_same_values(dtype, score):
     for n, in_features, hash_bits in [(1, 16, 4), (67, 48, 8), (2049, 512, 8), (9, 640, 10)]:
         x = (torch.randn(n, in_features, generator=g) * 2).to(dtype)
         wide = x.float()
-        rows, scores = ops().hash(x, hash_bits, score == "l1", 1.0)
-        rows32, scores32 = ops().hash(wide, hash_bits, score == "l1", 1.0)
+        rows, scores = ops().hash(x, hash_bits, score, 1.0)
+        rows32, scores32 = ops().hash(wide, hash_bits, score, 1.0)
         assert scores.dtype == torch.float32
         assert torch.equal(rows, rows32) and torch.equal(scores, scores32)
         grad_scores = torch.randn(scores.shape, generator=g)
-        grad_x = ops().hash_backward(grad_scores, x, hash_bits, score == "l1", 1.0)
-        grad_x32 = ops().hash_backward(grad_scores, wide, hash_bits, score == "l1", 1.0)
+        grad_x = ops().hash_backward(grad_scores, x, hash_bits, score, 1.0)
+        grad_x32 = ops().hash_backward(grad_scores, wide, hash_bits, score, 1.0)
         assert grad_x.dtype == dtype and torch.equal(grad_x, grad_x32.to(dtype))

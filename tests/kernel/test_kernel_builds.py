@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling_memoryformer import memory_ops
+from modeling_memoryformer import cpu_facts, memory_backend_cpu, memory_ops
 from test_fused_paths import assert_close_scaled, assert_forward_matches_oracle, hashed_inputs, one_hot_scores
 
 
@@ -40,7 +40,7 @@ def variant(request):
     march = request.param
     if not ON_X86:
         pytest.skip(f"-march={march} is an x86-64 target and this host is {platform.machine()}")
-    runs = memory_ops.cpu_can_run(march)
+    runs = cpu_facts.cpu_can_run(march)
     namespace = memory_ops.build_kernel_variant(march, load=runs)  # raises (fails the test) when it does not build
     if not runs:
         yield march, namespace, runs
@@ -114,7 +114,7 @@ def test_hash_and_its_backward_equal_the_float64_formulation(variant, dtype, sco
     g = torch.Generator().manual_seed(3)
     for n, in_features, hash_bits in [(1, 16, 4), (67, 48, 8), (300, 160, 5), (9, 64, 16)]:
         x = (torch.randn(n, in_features, generator=g) * 2).to(dtype)
-        rows, scores = ops.hash(x, hash_bits, score == "l1", temperature)
+        rows, scores = ops.hash(x, hash_bits, score, temperature)
         x64 = x.double().requires_grad_(True)
         expected_rows = memory_ops.table_rows(memory_ops.hash_codes(x64.detach(), hash_bits), hash_bits)
         expected = memory_ops.hash_scores(x64, hash_bits, score, temperature)
@@ -123,7 +123,7 @@ def test_hash_and_its_backward_equal_the_float64_formulation(variant, dtype, sco
 
         grad_scores = torch.randn(scores.shape, generator=g).to(scores.dtype)
         (expected_grad,) = torch.autograd.grad(expected, x64, grad_scores.double())
-        grad_x = ops.hash_backward(grad_scores, x, hash_bits, score == "l1", temperature)
+        grad_x = ops.hash_backward(grad_scores, x, hash_bits, score, temperature)
         assert grad_x.dtype == dtype and grad_x.shape == x.shape
         rtol = 1e-4 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(grad_x.double(), expected_grad, rtol=rtol, atol=rtol * expected_grad.abs().max())
@@ -158,11 +158,11 @@ def test_the_source_compiles_for_aarch64():
 # AVX-512 GCC vectorises a compare-and-select through mask registers whatever the flags; on AVX2 and NEON it needs
 # -fno-trapping-math, and without it both passes ran scalar (the hash took 4.2 instead of 0.69 ms for 2048 x 512
 # values on an AVX2-only AMD EPYC, the largest part of the layer there) while every test passed.
-KERNEL_CPP = Path(memory_ops.__file__).parent / "csrc" / "memoryformer_cpu.cpp"
+KERNEL_CPP = Path(memory_ops.__file__).parent / "csrc" / "cpu" / "hash.h"  # the kernel part holding the hash
 
 
 def _forward_exp_loop() -> int:
-    """Line (in the .cpp) of the hash's forward exp loop body: `pr[k] *= A(1) + exp_nonpos(-c * a);`."""
+    """Line (in csrc/cpu/hash.h) of the hash's forward exp loop body: `pr[k] *= A(1) + exp_nonpos(-c * a);`."""
     lines = KERNEL_CPP.read_text().splitlines()
     return next(i for i, line in enumerate(lines) if "pr[k] *= A(1) + exp_nonpos(-c * a);" in line) + 1
 
@@ -181,7 +181,7 @@ def _vectorizer_report(compiler: str, flags: list[str]) -> list[tuple[int, str]]
                             check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     return [(int(line), message) for line, message in
-            re.findall(r"memoryformer_cpu\.cpp:(\d+):\d+: (.*)", result.stderr)]
+            re.findall(r"csrc/cpu/hash\.h:(\d+):\d+: (.*)", result.stderr)]
 
 
 def _hash_loops_vectorise(report: list[tuple[int, str]]) -> bool:
@@ -203,7 +203,7 @@ def test_the_hash_loops_vectorise_on_every_vector_target(target):
         pytest.skip(f"{compiler} is not installed (Debian package g++-aarch64-linux-gnu provides the aarch64 one)")
     if not target.startswith("armv8") and not ON_X86:
         pytest.skip(f"{target} is an x86-64 target and this host is {platform.machine()}")
-    flags = memory_ops._kernel_flags(target)
+    flags = memory_backend_cpu._kernel_flags(target)
     assert _hash_loops_vectorise(_vectorizer_report(compiler, flags)), f"-march={target}: the hash loops are scalar"
     if target == "x86-64-v3":  # the check itself sees the failure it guards against
         without = [f for f in flags if f != "-fno-trapping-math"]

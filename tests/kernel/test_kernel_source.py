@@ -1,8 +1,8 @@
 """The kernel source module and the loader's handling of builds that fail.
 
-- memory_kernel_source.py is exactly what scripts/generate_kernel_source.py makes of csrc/memoryformer_cpu.cpp, and
-  starts with a #line directive, so compiler errors name the .cpp and its line.
-- A compile error is reported with the compiler's first error line (file:line of the .cpp) and a log of the full
+- memory_kernel_source.py is exactly what scripts/generate_kernel_source.py makes of the parts in csrc/cpu/, each
+  after a #line directive, so compiler errors name the part and its line (checked by an error injected in each part).
+- A compile error is reported with the compiler's first error line (file:line of the part) and a log of the full
   output in the extension build root; the failure is remembered (later processes do not call the compiler);
   MEMORYFORMER_REQUIRE_FUSED=1 turns it into an error and retries it.
 - MEMORYFORMER_KERNEL=torch (or set_kernel("torch")) never builds or loads anything.
@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from modeling_memoryformer import memory_ops
+from modeling_memoryformer import memory_backend_cpu, memory_ops
 from modeling_memoryformer.memory_kernel_source import CPP_SOURCE
 
 
 ROOT = Path(__file__).resolve().parents[2]
-LINE_NAME = "modeling_memoryformer/csrc/memoryformer_cpu.cpp"
+LINE_NAME = "modeling_memoryformer/csrc/cpu/prelude.h"  # the first part, where the source starts
 KERNEL_VARIABLES = ("MEMORYFORMER_KERNEL", "MEMORYFORMER_KERNEL_MARCH", "MEMORYFORMER_REQUIRE_FUSED")
 
 
@@ -42,22 +44,42 @@ def generator():
     return module
 
 
-def test_generated_module_is_the_generator_output_for_the_cpp():
+def test_generated_module_is_the_generator_output_for_the_parts():
     gen = generator()
-    cpp = (ROOT / "modeling_memoryformer" / "csrc" / "memoryformer_cpu.cpp").read_text(encoding="utf-8")
+    cpp = gen.cpp_source()  # the parts of csrc/cpu/ in order, each after its #line directive
     current = (ROOT / "modeling_memoryformer" / "memory_kernel_source.py").read_text(encoding="utf-8")
     assert current == gen.module_text(cpp), "out of date: run `python scripts/generate_kernel_source.py`"
-    assert CPP_SOURCE == f'#line 1 "{LINE_NAME}"\n' + cpp
+    assert CPP_SOURCE == cpp and cpp.startswith(f'#line 1 "{LINE_NAME}"\n')
 
 
 def test_source_starts_with_the_line_directive():
     assert CPP_SOURCE.startswith(f'#line 1 "{LINE_NAME}"\n')
 
 
+@pytest.mark.slow
+def test_a_compile_error_in_any_part_names_that_part_and_its_line():
+    """A copy of the parts with an error appended to each, checked by one `g++ -fsyntax-only`: every error names its
+    part (modeling_memoryformer/csrc/cpu/<part>) and the line just past the part's end, and there is no other."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    gen = generator()
+    parts = gen.read_parts()
+    injected = [(name, f'{text}static_assert(sizeof(int) == 0, "memoryformer test: injected into {name}");\n')
+                for name, text in parts]
+    with pytest.raises(memory_ops.KernelBuildError) as info:
+        memory_ops.compile_kernel_syntax("g++", ["-fopenmp"], gen.cpp_source(injected))
+    output = info.value.output
+    for name, text in parts:
+        where = f"{gen.LINE_PREFIX}{name}:{len(text.splitlines()) + 1}:"  # the line after the part
+        assert re.search(rf"^{re.escape(where)}\d+: error: .*injected into {re.escape(name)}\b", output, re.M), (
+            f"no error at {where}\n{output[-3000:]}")
+    assert len(re.findall(r": error: ", output)) == len(parts), output[-3000:]
+
+
 def broken_source() -> tuple[str, int]:
-    """CPP_SOURCE with an error inserted just before the first #include (file scope); returns it and the .cpp line
-    the error is on."""
-    lines = CPP_SOURCE.split("\n")  # lines[i] is line i of the .cpp (lines[0] is the #line directive)
+    """CPP_SOURCE with an error inserted just before the first #include (file scope); returns it and the line of
+    prelude.h (the first part) the error is on."""
+    lines = CPP_SOURCE.split("\n")  # lines[i] is line i of prelude.h (lines[0] is the #line directive)
     first_include = next(i for i in range(1, len(lines)) if lines[i].startswith("#include"))
     lines.insert(first_include, 'static_assert(sizeof(int) == 0, "memoryformer test: injected compile error");')
     return "\n".join(lines), first_include
@@ -100,7 +122,7 @@ def failed_build(tmp_path_factory):
         mp.setenv("TORCH_EXTENSIONS_DIR", str(ext_dir))
         start = time.perf_counter()
         with pytest.raises(memory_ops.KernelBuildError) as info:
-            memory_ops._build_and_register(source=source)
+            memory_backend_cpu._build_and_register(source=source)
         seconds = time.perf_counter() - start
     return ext_dir, source_file, line, info.value, seconds
 
@@ -125,10 +147,10 @@ def test_load_fused_kernels_warns_with_the_compiler_error_and_falls_back(failed_
     for name in KERNEL_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext_dir))
-    monkeypatch.setattr(memory_ops, "_fused_state", None)
-    monkeypatch.setattr(memory_ops, "_fused_error", None)
-    broken = functools.partial(memory_ops._build_and_register, source=source_file.read_text(encoding="utf-8"))
-    monkeypatch.setattr(memory_ops, "_build_and_register", broken)
+    monkeypatch.setattr(memory_backend_cpu, "_fused_state", None)
+    monkeypatch.setattr(memory_backend_cpu, "_fused_error", None)
+    broken = functools.partial(memory_backend_cpu._build_and_register, source=source_file.read_text(encoding="utf-8"))
+    monkeypatch.setattr(memory_backend_cpu, "_build_and_register", broken)
     with pytest.warns(RuntimeWarning) as warned:
         assert memory_ops.load_fused_kernels() is False
     message = str(warned[0].message)
@@ -145,11 +167,11 @@ def test_a_remembered_failure_is_not_compiled_again_in_a_new_process(failed_buil
         + f"""
 import time
 from pathlib import Path
-from modeling_memoryformer import memory_ops
+from modeling_memoryformer import memory_backend_cpu
 start = time.perf_counter()
 try:
-    memory_ops._build_and_register(source=Path({str(source_file)!r}).read_text())
-except memory_ops.KernelBuildError as exc:
+    memory_backend_cpu._build_and_register(source=Path({str(source_file)!r}).read_text())
+except memory_backend_cpu.KernelBuildError as exc:
     print("SECONDS", time.perf_counter() - start)
     print("LOG", exc.log_path)
     print("MESSAGE", exc)
@@ -213,13 +235,13 @@ def test_the_torch_kernel_never_builds_or_loads_the_fused_one(tmp_path, how):
         FORBID_COMPILER
         + f"""
 import torch
-from modeling_memoryformer import MemoryLayer, memory_ops
+from modeling_memoryformer import MemoryLayer, memory_backend_cpu, memory_ops
 if {how == "set_kernel"}:
     memory_ops.set_kernel("torch")
 layer = MemoryLayer(16, 8, 4)
 layer(torch.randn(3, 16)).sum().backward()
-print("KERNEL", memory_ops.get_kernel(), memory_ops._fused_state)
-print("LOADED", hasattr(torch.ops.memoryformer_cpu, "lookup"))
+print("KERNEL", memory_ops.get_kernel(), memory_backend_cpu.fused_state())
+print("LOADED", torch._C._dispatch_has_kernel_for_dispatch_key("memoryformer::lookup", "CPU"))
 """,
         env,
     )

@@ -25,13 +25,16 @@ def test_fused_ops_reject_rows_of_the_wrong_table_instead_of_reading_out_of_boun
     from conftest import require_kernel
 
     require_kernel("fused")  # a skip, or a failure under MEMORYFORMER_REQUIRE_FUSED=1
-    ops = torch.ops.memoryformer_cpu
+    ops = torch.ops.memoryformer
     tables = torch.randn(4 * 16, 32)
     rows = torch.tensor([[0, 16, 32, 48], [15, 31, 47, 63]])
     bad = rows.clone()
     bad[1, 2] = 70  # beyond the parameter
     scores = torch.ones(2, 4)
-    strategies = ["token", "embedding_bag", "bucketed", "packed"]
+    from modeling_memoryformer.memory_kernels import lookup_strategies
+
+    strategies = lookup_strategies()
+    assert strategies, "the fused kernel lists no strategy"
     for op in (
         lambda r: ops.lookup(r, scores, tables, None, 16),
         *(lambda r, how=how: ops.lookup_strategy(r, scores, tables, None, 16, how) for how in strategies),
@@ -49,13 +52,13 @@ def test_input_of_the_wrong_width_is_rejected():
 
 
 def test_a_malformed_gradient_pool_setting_is_an_error(monkeypatch):
-    from modeling_memoryformer import memory_ops
+    from modeling_memoryformer import memory_backend_cpu
 
     monkeypatch.setenv("MEMORYFORMER_GRAD_POOL_MB", "16GB")
     with pytest.raises(ValueError, match="MEMORYFORMER_GRAD_POOL_MB='16GB' is not a whole number"):
-        memory_ops._check_pool_setting()
+        memory_backend_cpu._check_pool_setting()
     monkeypatch.setenv("MEMORYFORMER_GRAD_POOL_MB", "0")
-    memory_ops._check_pool_setting()
+    memory_backend_cpu._check_pool_setting()
 
 
 @pytest.mark.parametrize("shape", [(1, 0), (2, 0)])

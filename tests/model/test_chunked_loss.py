@@ -81,9 +81,9 @@ def test_softmax_by_blocks_of_rows_matches_the_oracle(block_rows, chunk_tokens, 
     """The softmax steps take a chunk's logits a few rows at a time (a quarter of the LLC of a real vocabulary; one block
     for this one unless forced): blocks that divide the chunk, that do not, and as large as it give the same loss and
     gradients, ignored positions included."""
-    from modeling_memoryformer import memory_ops
+    from modeling_memoryformer import memory_loss
 
-    monkeypatch.setattr(memory_ops, "_softmax_block_rows", lambda vocab, itemsize: block_rows)
+    monkeypatch.setattr(memory_loss, "_softmax_block_rows", lambda vocab, itemsize: block_rows)
     hidden, weight, b, labels = problem(bias=True)
     assert_matches(ours(hidden, weight, b, labels, chunk_tokens=chunk_tokens),
                    oracle(hidden, weight, b, labels), rtol=1e-5, atol=1e-6)

@@ -230,7 +230,7 @@ def test_fused_int8_lookup_matches_the_float64_formula_and_fbgemm(tokens, tables
     scores = torch.rand(tokens, tables, generator=g) * 2 - 0.5  # negative weights too
     bias = torch.randn(d, generator=g) if with_bias else None
     expected, size = int8_formula(rows, scores, packed, bias)
-    fused = torch.ops.memoryformer_cpu.int8_lookup(rows, scores, packed, bias, per_table)
+    fused = torch.ops.memoryformer.int8_lookup(rows, scores, packed, bias, per_table)
     assert fused.dtype == torch.float32 and fused.shape == (tokens, d)
     assert bool(((fused.double() - expected).abs() <= 1e-6 * size + 1e-7).all())
     fbgemm = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(packed, rows, None, False, 0, False, scores, None,
@@ -247,7 +247,7 @@ def test_the_rule_takes_the_fused_pass_for_few_tokens_and_fbgemm_beyond(monkeypa
         "fused", "fused", "fbgemm", "fbgemm"]
     _, layer = int8_layer()
     calls = []
-    for namespace, name in ((torch.ops.memoryformer_cpu, "int8_lookup"),
+    for namespace, name in ((torch.ops.memoryformer, "int8_lookup"),
                             (torch.ops.quantized, "embedding_bag_byte_rowwise_offsets")):
         real = getattr(namespace, name)
         monkeypatch.setattr(namespace, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))

@@ -27,8 +27,10 @@ PACKAGE_DIR = Path(modeling_memoryformer.__file__).parent
 # The model unit: what save_pretrained copies next to the weights, and all that stands at the package's top level
 # (besides __init__.py and the C++ in csrc/, which travels as memory_kernel_source.py).
 MODEL_FILES = [
-    "configuration_memoryformer.py", "memory_kernel_source.py", "memory_ops.py", "modeling_memoryformer.py",
-    "quantization.py", "transformers_compat.py",
+    "configuration_memoryformer.py", "cpu_facts.py", "memory_backend_cpu.py", "memory_backend_torch.py",
+    "memory_kernel_source.py", "memory_kernels.py", "memory_loss.py", "memory_math.py", "memory_op_library.py",
+    "memory_ops.py", "memory_table_updates.py", "modeling_memoryformer.py", "quantization.py",
+    "transformers_compat.py",
 ]
 SAVED_FILES = ["config.json", "generation_config.json", "model.safetensors", *MODEL_FILES]
 # config.json, generation_config.json and model.safetensors of a tiny model saved by release 0.1.0 (git 0630197), and

@@ -65,7 +65,7 @@ def test_sparse_layer_gradients_equal_the_float64_oracle(kernel, dtype, n):
 
 def test_lookup_backward_rows_op_equals_the_one_hot_transposes():
     require_kernel("fused")
-    ops = torch.ops.memoryformer_cpu
+    ops = torch.ops.memoryformer
     g = torch.Generator().manual_seed(3)
     # below half a lookup per row (2 n < p) the per-row pass, with rows hit twice or more among 40 tokens of 64 rows;
     # from there the dense backward and its rows hit
@@ -95,7 +95,7 @@ def test_lookup_backward_rows_op_equals_the_one_hot_transposes():
 
 def test_lookup_backward_rows_refuses_what_it_cannot_take():
     require_kernel("fused")
-    ops = torch.ops.memoryformer_cpu
+    ops = torch.ops.memoryformer
     rows = torch.tensor([[0, 9]])
     scores = torch.ones(1, 2)
     with pytest.raises(RuntimeError, match="float64 tables take the dense backward"):
@@ -149,7 +149,7 @@ def test_sparse_table_gradients_is_a_checked_saved_config_field(tmp_path):
 def test_lookup_backward_rows_passes_opcheck():
     """Schema, fake (data-dependent row count) and dispatch of the new op, as torch.library checks them."""
     require_kernel("fused")
-    ops = torch.ops.memoryformer_cpu
+    ops = torch.ops.memoryformer
     rows = torch.tensor([[0, 9], [1, 9], [0, 12]])
     scores, tables, grad = torch.rand(3, 2), torch.randn(16, 5), torch.randn(3, 5)
     result = torch.library.opcheck(ops.lookup_backward_rows, (grad, rows, scores, tables, 8, True))

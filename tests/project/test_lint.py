@@ -50,7 +50,7 @@ def _tracked(*patterns: str) -> list[Path]:
 
 def test_docs_and_code_point_at_the_paper_not_at_the_tracker():
     docs = [ROOT / name for name in USER_DOCS if (ROOT / name).exists()]
-    code = [path for path in _tracked("*.py", "*.cpp") if path != Path(__file__).resolve()]
+    code = [path for path in _tracked("*.py", "*.cpp", "*.h") if path != Path(__file__).resolve()]
     found = []
     for path in docs + code:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modeling_memoryformer import cli
 
-SUBCOMMANDS = ("demo", "train", "buckets", "generate", "flops", "convert", "eval", "push", "kernels")
+SUBCOMMANDS = [name for name, *_ in cli.COMMANDS]  # the one list of commands
 TINY_TRAIN = ["--vocab-size", "300", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--hash-bits", "4",
               "--expand-bits", "1", "--block-size", "32", "--batch-size", "4"]
 

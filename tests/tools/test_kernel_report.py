@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM, cli, memory_ops
+from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM, cli, cpu_facts, memory_ops
+from modeling_memoryformer.memory_kernels import lookup_strategies
 from modeling_memoryformer.evaluation import kernel_report
 from modeling_memoryformer.configuration_memoryformer import PRESETS
 from modeling_memoryformer.modeling_memoryformer import MemoryLayer
@@ -63,11 +64,11 @@ def test_listed_shapes_match_every_preset_built_on_the_meta_device(preset):
 def test_cpu_features_from_cpuinfo(monkeypatch):
     x86 = ["processor\t: 0", "model name\t: Some CPU 9000",
            "flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512bw amx_tile"]
-    monkeypatch.setattr(kernel_report, "_cpuinfo", lambda: x86)
+    monkeypatch.setattr(cpu_facts, "cpuinfo_lines", lambda: x86)
     assert kernel_report.cpu_model() == "Some CPU 9000"
     assert kernel_report.cpu_features() == ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "amx_tile"]
     arm = ["processor\t: 0", "Features\t: fp asimd evtstrm aes sve sve2 bf16 i8mm", "CPU implementer\t: 0x41"]
-    monkeypatch.setattr(kernel_report, "_cpuinfo", lambda: arm)
+    monkeypatch.setattr(cpu_facts, "cpuinfo_lines", lambda: arm)
     assert kernel_report.cpu_features() == ["asimd", "bf16", "i8mm", "sve", "sve2"]
 
 
@@ -106,7 +107,7 @@ def test_json_report_has_every_field(capsys):
         assert info["l1d_bytes"] > 0 and info["l2_bytes"] > 0 and info["threads"] >= 1 and info["vector_bytes"] >= 8
         for layer in report["layers"]:
             for plan in layer["plans"]:
-                assert plan["forward"] in kernel_report.STRATEGIES and plan["backward"] in kernel_report.STRATEGIES
+                assert plan["forward"] in lookup_strategies() and plan["backward"] in lookup_strategies()
     else:
         assert kernel["reason"]
 
@@ -132,10 +133,10 @@ def test_bad_arguments_are_one_line_errors(capsys):
 def _kernel_with(*ops: str):
     if not memory_ops.load_fused_kernels():
         pytest.skip("the fused CPU kernel is not built in this environment")
-    missing = [op for op in ops if not hasattr(torch.ops.memoryformer_cpu, op)]
+    missing = [op for op in ops if not hasattr(torch.ops.memoryformer, op)]
     if missing:
         pytest.fail(f"the fused kernel lacks {', '.join(missing)} (the ops `memoryformer kernels` reports on)")
-    return torch.ops.memoryformer_cpu
+    return torch.ops.memoryformer
 
 
 # Shapes around the strategy boundaries: tables inside L2, inside L3, about L3 (d=512 -> 512), beyond L3.
@@ -159,7 +160,7 @@ def test_plans_follow_the_cache_sizes_and_detection_comes_back():
     ops = _kernel_with("machine_info", "set_cache_sizes", "plan")
     detected = list(ops.machine_info())
     before = _plans(ops)
-    assert set(before.values()) <= set(kernel_report.STRATEGIES), before
+    assert set(before.values()) <= set(lookup_strategies()), before
     l1, l2, l3 = detected[:3]
     try:
         ops.set_cache_sizes(max(1, l1 // 8), max(1, l2 // 16), max(1, l3 // 16))
@@ -171,7 +172,7 @@ def test_plans_follow_the_cache_sizes_and_detection_comes_back():
         ops.set_cache_sizes(0, 0, 0)
     assert list(ops.machine_info()) == detected  # 0, 0, 0 detects again
     assert _plans(ops) == before
-    assert set(shrunk.values()) | set(grown.values()) <= set(kernel_report.STRATEGIES), (shrunk, grown)
+    assert set(shrunk.values()) | set(grown.values()) <= set(lookup_strategies()), (shrunk, grown)
     changed = {key: (before[key], shrunk[key]) for key in before if before[key] != shrunk[key]}
     assert changed, f"no plan changed when the caches shrank 16x: {before}"
 
@@ -189,7 +190,7 @@ def test_cache_override_in_the_report_is_applied_then_undone(capsys):
     assert plain["caches"]["source"] == "kernel" and plain["caches"]["l3_bytes"] == l3
     for layer in report["layers"]:
         for plan in layer["plans"]:
-            assert plan["forward"] in kernel_report.STRATEGIES and plan["backward"] in kernel_report.STRATEGIES
+            assert plan["forward"] in lookup_strategies() and plan["backward"] in lookup_strategies()
     sizes = [f"{small[0]}", f"{small[1]}", f"{small[2]}"]
     assert cli.main(["kernels", "--cache-sizes", *sizes]) == 0
     assert "overridden with --cache-sizes" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from modeling_memoryformer import __version__, cli, memory_ops
+from modeling_memoryformer import __version__, cli, memory_backend_cpu, memory_kernels, memory_ops
 from modeling_memoryformer.evaluation import kernel_report
 from modeling_memoryformer.comparison import demo
 
@@ -48,7 +48,7 @@ def test_line_names_the_fallback_and_its_reason():
 @pytest.fixture
 def slow_first_load(monkeypatch):
     """load_fused_kernels takes 0.5 s more on its first call, as a first build would; the load is timed afresh."""
-    original, calls = memory_ops.load_fused_kernels, []
+    original, calls = memory_backend_cpu.load_fused_kernels, []
 
     def slow(*args, **kwargs):
         calls.append(1)
@@ -56,10 +56,10 @@ def slow_first_load(monkeypatch):
             time.sleep(0.5)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(memory_ops, "load_fused_kernels", slow)
+    monkeypatch.setattr(memory_backend_cpu, "load_fused_kernels", slow)
     monkeypatch.setattr(kernel_report, "_load_seconds", None)
     monkeypatch.setattr(kernel_report, "_load_error", None)
-    monkeypatch.setattr(memory_ops, "_kernel_choice", "auto")
+    monkeypatch.setattr(memory_kernels, "_kernel_choice", "auto")
     return calls
 
 

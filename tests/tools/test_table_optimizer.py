@@ -13,7 +13,7 @@ import torch
 
 from _training_data import synthetic_lm_data
 from conftest import checkpointing_enable, require_kernel, tiny_config, tiny_model
-from modeling_memoryformer import MemoryFormerForCausalLM, memory_ops
+from modeling_memoryformer import MemoryFormerForCausalLM, memory_ops, memory_table_updates
 from modeling_memoryformer.training.table_optimizer import (
     TableAdamW,
     adam_rowwise_update,
@@ -139,7 +139,7 @@ def test_fused_and_torch_updates_agree_on_a_large_table():
         results[kernel] = (w, m, v, s)
     for a, b in zip(results["fused"], results["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    ops = torch.ops.memoryformer_cpu
+    ops = torch.ops.memoryformer
     with pytest.raises(RuntimeError, match="weight and grad must be float32"):
         ops.rowwise_adagrad_step(w0.double(), g.double(), torch.zeros(4096), 0.1, 1e-8, 0.0)
     with pytest.raises(RuntimeError, match="state_sum must be float32 of shape"):
@@ -290,8 +290,8 @@ def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(t
     require_kernel("fused")
     from modeling_memoryformer.modeling_memoryformer import MemoryLayer
 
-    monkeypatch.setattr(memory_ops, "UPDATE_GROUP_BYTES", None)
-    torch.ops.memoryformer_cpu.set_cache_sizes(32 << 10, 256 << 10, 4 << 20)
+    monkeypatch.setattr(memory_table_updates, "UPDATE_GROUP_BYTES", None)
+    torch.ops.memoryformer.set_cache_sizes(32 << 10, 256 << 10, 4 << 20)
     try:
         torch.manual_seed(0)
         net = torch.nn.Sequential(MemoryLayer(80, 2048, hash_bits=8, bias=False, table_dtype=table_dtype))
@@ -309,7 +309,7 @@ def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(t
             net(torch.randn(tokens, 80)).square().mean().backward()
         optimizer.zero_grad(set_to_none=True)
     finally:
-        torch.ops.memoryformer_cpu.set_cache_sizes(0, 0, 0)
+        torch.ops.memoryformer.set_cache_sizes(0, 0, 0)
     rows = tables_per_group * 256
     expected = [(start, min(start + rows, 2560)) for start in range(0, 2560, rows)]
     assert seen == expected
@@ -323,7 +323,7 @@ def test_update_in_the_backward_equals_the_rule_on_the_whole_gradient(kernel, ru
     lookup in float64, the input and bias gradients are those of the tables before the update, and `.grad` stays
     None."""
     require_kernel(kernel)
-    monkeypatch.setattr(memory_ops, "UPDATE_GROUP_BYTES", 3 * 16 * 24 * 4)  # 3 tables of 16 rows x 24 float32
+    monkeypatch.setattr(memory_table_updates, "UPDATE_GROUP_BYTES", 3 * 16 * 24 * 4)  # 3 tables of 16 rows x 24 float32
     net = memory_layer_net(0)
     layer = net[0]
     w0 = layer.tables.detach().clone()
@@ -410,7 +410,7 @@ def test_a_second_backward_before_step_is_refused_and_copies_are_not_updated():
 def test_bf16_tables_are_updated_in_the_backward_from_float32_gradients(monkeypatch):
     """bfloat16 tables: the group gradients are float32 (the lookup sums in float32) and each update lands within
     one bfloat16 step of the float32 rule's result (stochastic rounding)."""
-    monkeypatch.setattr(memory_ops, "UPDATE_GROUP_BYTES", 4 * 16 * 24 * 4)
+    monkeypatch.setattr(memory_table_updates, "UPDATE_GROUP_BYTES", 4 * 16 * 24 * 4)
     net = memory_layer_net(2, table_dtype="bfloat16")
     tables = net[0].tables
     assert tables.dtype == torch.bfloat16

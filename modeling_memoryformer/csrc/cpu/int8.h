@@ -1,0 +1,142 @@
+// The lookup on int8 tables.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ int8 tables
+// Tables stored in FBGEMM's 8-bit row-wise layout (what torch.ops.quantized.embedding_bag_byte_prepack writes): row r
+// is D + 8 bytes, its D codes q then a float32 scale and a float32 offset, v = q * scale + offset. A lookup is
+//   y[n] = sum_k s[n,k] (q[r] * scale[r] + offset[r]) = sum_k (s[n,k] scale[r]) q[r] + sum_k s[n,k] offset[r]
+// with r = rows[n,k]: the codes are converted to float in registers and weighted by s * scale, and the offsets make one
+// value per token, added to all of its columns. First pass (int8_weights): those weights [N, K] and the per-token
+// offsets [N], from the 8 bytes after each hit row's codes.
+constexpr int64_t kInt8RowBytes = 8;   // the float32 scale and offset after a row's codes
+
+inline void int8_row_params(const uint8_t* row_end, float& scale, float& offset) {   // row_end: past the codes
+  std::memcpy(&scale, row_end, sizeof(float));       // not 4-byte aligned when D % 4 != 0
+  std::memcpy(&offset, row_end + 4, sizeof(float));
+}
+
+void int8_weights(const int64_t* rows, const float* scores, const uint8_t* packed, float* weights,
+                  float* token_offset, int64_t N, int64_t K, int64_t D) {
+  const int64_t W = D + kInt8RowBytes;
+  parallel_tokens(N, N * K * 16, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float off = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        float scale, offset;
+        int8_row_params(packed + rows[n * K + k] * W + D, scale, offset);
+        const float s = scores[n * K + k];
+        weights[n * K + k] = s * scale;
+        off += s * offset;
+      }
+      token_offset[n] = off;
+    }
+  });
+}
+
+// a + s0 q0 + s1 q1 + s2 q2 + s3 q3 as four chained multiply-adds (written as one sum of products, the compiler
+// emitted separate multiplies and adds, which was slower; docs/kernel.md).
+inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t q0, uint8_t q1, uint8_t q2,
+                        uint8_t q3) {
+  a += s0 * float(int32_t(q0));
+  a += s1 * float(int32_t(q1));
+  a += s2 * float(int32_t(q2));
+  a += s3 * float(int32_t(q3));
+  return a;
+}
+
+constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
+
+// Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
+// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead (this token's or
+// the next one's) prefetched. Plain loops that the compiler vectorises, converting the codes in registers (GCC for
+// AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add per 16 codes). This is about
+// 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so quantization.py uses FBGEMM
+// beyond a few tokens; at one token the rows' reads dominate and this pass, which issues them at once with no
+// per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
+void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
+                       const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
+  const int64_t W = D + kInt8RowBytes;
+  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t* rn = rows + n * K;
+      const float* wn = weights + n * K;
+      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
+      const float off = token_offset[n];
+      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
+        const int64_t w = std::min(kCols, D - c0);
+        float acc[kCols];
+        for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
+        int64_t k = 0;
+        for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
+          for (int64_t i = 0; i < kInt8Rows; ++i)
+            if (k + i + kAhead < ahead_limit) prefetch_span(packed + rn[k + i + kAhead] * W + c0, w);
+          const uint8_t* q0 = packed + rn[k] * W + c0;
+          const uint8_t* q1 = packed + rn[k + 1] * W + c0;
+          const uint8_t* q2 = packed + rn[k + 2] * W + c0;
+          const uint8_t* q3 = packed + rn[k + 3] * W + c0;
+          const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
+          if (w == kCols) {
+#pragma omp simd
+            for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
+          } else {
+            for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
+          }
+        }
+        for (; k < K; ++k) {
+          if (k + kAhead < ahead_limit) prefetch_span(packed + rn[k + kAhead] * W + c0, w);
+          const uint8_t* q = packed + rn[k] * W + c0;
+          const float s = wn[k];
+          for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
+        }
+        float* o = out + n * D + c0;
+        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
+      }
+    }
+  });
+}
+
+// int8 tables (see "int8 tables"): packed uint8 [K * rows_per_table, D + 8], rows and scores as for lookup (rows[:, k]
+// in table k), bias of D floating values or none -> float32 [N, D], by the token-major pass. There is no packed pass
+// over int8 rows: it was slower than FBGEMM's 8-bit embedding bag, which quantization.py uses for many tokens
+// (docs/kernel.md).
+at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, const at::Tensor& packed,
+                          const std::optional<at::Tensor>& bias, int64_t rows_per_table) {
+  const char* op = "int8_lookup";
+  check_cpu_contiguous(rows, op, "rows");
+  check_cpu_contiguous(packed, op, "packed");
+  TORCH_CHECK(scores.defined(), "memoryformer.int8_lookup: scores is undefined");
+  check_floating(scores, op, "scores");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2, "memoryformer.int8_lookup: rows must be int64 "
+              "[N, K], got ", rows.scalar_type(), " of shape ", rows.sizes());
+  TORCH_CHECK(rows.size(1) >= 1, "memoryformer.int8_lookup: rows must have one column per table (K >= 1), got ",
+              rows.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) >= kInt8RowBytes,
+              "memoryformer.int8_lookup: packed must be uint8 [rows, D + 8] (FBGEMM's row-wise layout: D codes, "
+              "then a float32 scale and offset per row), got ", packed.scalar_type(), " of shape ", packed.sizes());
+  TORCH_CHECK(rows_per_table >= 1, "memoryformer.int8_lookup: rows_per_table must be >= 1, got ", rows_per_table);
+  const int64_t N = rows.size(0), K = rows.size(1), D = packed.size(1) - kInt8RowBytes, P = rows_per_table;
+  TORCH_CHECK(packed.size(0) % K == 0 && packed.size(0) / K == P, "memoryformer.int8_lookup: packed must have "
+              "K * rows_per_table = ", K, " * ", P, " rows, got ", packed.size(0));
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) == N && scores.size(1) == K, "memoryformer.int8_lookup: scores "
+              "must have the shape of rows ", rows.sizes(), ", got ", scores.sizes());
+  check_rows(rows, P);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    check_floating(*bias, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == D, "memoryformer.int8_lookup: bias must be 1-D with one "
+                "value per output column [", D, "], got shape ", bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto s = scores.to(at::kFloat).contiguous();
+  auto out = at::empty({N, D}, packed.options().dtype(at::kFloat));
+  if (N == 0 || D == 0) return out;
+  float* weights = scratch<float>(0, N * K + N);
+  float* token_offset = weights + N * K;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  int8_weights(r, s.data_ptr<float>(), q, weights, token_offset, N, K, D);
+  int8_lookup_token(r, weights, token_offset, q, bp, out.data_ptr<float>(), N, K, D);
+  return out;
+}

@@ -319,8 +319,10 @@ def _compile(name: str, source: str, flags: list[str], trust_remembered_failure:
     log_path = failure_log_path(name)
     if trust_remembered_failure and os.path.exists(log_path):
         raise _remembered_failure(log_path, flags)
-    if announce:
-        print("MemoryFormer: loading the fused CPU kernel (compiled once, then cached)...", file=sys.stderr, flush=True)
+    if announce and not os.path.exists(os.path.join(_build_root(), name, f"{name}.so")):
+        # Said only when this build does not exist yet: loading a cached one is silent.
+        print(f"MemoryFormer: compiling the fused CPU kernel once for this torch installation and CPU (about 30 s; "
+              f"cached in {os.path.join(_build_root(), name)})...", file=sys.stderr, flush=True)
     try:
         # The source includes the ATen and torch/library.h headers it needs: no implicit <torch/extension.h> (nor the
         # Python headers behind it), which cuts about a third of the compile time.

@@ -6,12 +6,9 @@ time, computes their logits, their log-sum-exp and loss, and at once the gradien
 weight's (and bias's) gradient. The backward pass then only scales these stored gradients by the loss's incoming
 gradient. Same semantics as transformers' `ForCausalLMLoss`.
 
-Chunk size (LINEAR_CE_CHUNK_TOKENS, the default of the config's `loss_chunk_tokens`), measured on [4096, 512] x
-[50304, 512] float32, loss forward + backward, one thread, 2-vCPU AMD EPYC Zen 4 KVM guest (AVX-512, L2 1 MB/core,
-L3 32 MB), best of 2 runs, peak RSS above the inputs (gradients included): 256 tokens 7.41 s / 168 MB, 512 7.04 s /
-218 MB, 1024 7.15 s / 316 MB, 2048 7.20 s / 513 MB, 4096 (one chunk) 7.42 s / 906 MB; the full-logits
-`F.cross_entropy(F.linear(h, W).float(), y)` 8.36 s / 2368 MB. The three matmuls alone take about 7.1 s, so every
-size from 512 to 2048 is matmul-bound (the spread is within the noise of a shared host); 512 needs the least memory.
+Chunk size (LINEAR_CE_CHUNK_TOKENS, the default of the config's `loss_chunk_tokens`): every size from 512 to 2048
+tokens is bound by the three matmuls, and 512 needs the least memory (docs/kernel.md, "Measurements behind the design
+choices").
 """
 
 from __future__ import annotations
@@ -27,16 +24,14 @@ LINEAR_CE_CHUNK_TOKENS = 512
 def _softmax_block_rows(vocab: int, itemsize: int) -> int:
     """Rows of a chunk's logits that the softmax steps take at a time: a quarter of the last-level cache (8 MB when
     the fused kernel does not report it), so that after the first read of a block its max, exp, sum and scaling run
-    from cache instead of as five passes over the whole [chunk, V] block from memory (41 rows of a 50304-token
-    vocabulary with a 32 MB L3: 32 ms to 24 ms per 512-token chunk on the AMD EPYC, same values to the bit)."""
+    from cache instead of as five passes over the whole [chunk, V] block from memory (same values to the bit)."""
     return max(1, cache_share_bytes() // max(1, vocab * itemsize))
 
 
 def _add_widened(total: torch.Tensor, part: torch.Tensor) -> None:
     """total += part for a 16-bit `part` and a float32 `total` of the same shape, by blocks of rows widened into a
     buffer of a quarter of the last-level cache. `total += part` widens through a fresh temporary the size of `part`
-    (its page faults every time): 38.5 ms for the [50304, 512] weight gradient of a bf16 LM head against 8 ms here
-    (AMD EPYC Zen 4, 2 threads)."""
+    (its page faults every time)."""
     rows = max(1, cache_share_bytes() // max(1, part.shape[1] * total.element_size()))
     buf = torch.empty((min(rows, part.shape[0]), part.shape[1]), dtype=total.dtype, device=total.device)
     for r0 in range(0, part.shape[0], rows):

@@ -44,14 +44,12 @@ def update_group_bytes(grad_bytes: int = 0, table_bytes: int | None = None) -> i
     output gradient, and at most half of the tables. `UPDATE_GROUP_BYTES` overrides.
 
     Every group reads the whole output gradient again (each of its tokens looks up every table), so groups much
-    smaller than that gradient spend more time re-reading it than on the tables: with MF-tiny's Q/K/V layer at
-    8 x 512 tokens (a 25 MB output gradient, 96 MiB of tables), 13 groups of 8 MB took 50.8 ms per backward and
-    update, 2 groups 31 ms (AMD EPYC, 2 threads). Twice the output gradient keeps those re-reads within one pass over
-    the tables; half the tables keeps the promise that no tensor the size of a layer's tables holds its gradient (a
-    group is never less than one table). The backward passes grad_bytes=0 for tables stored in another dtype than
-    float32 (bfloat16): each of their groups is converted to float32 and updated through temporaries of its size,
-    fresh memory from the OS beyond a few tens of MB, and MF-base's bfloat16 step with groups of twice its output
-    gradient (about 100 MB) peaked 1.6 GB higher and ran 20% slower (108 million page faults in 3 steps).
+    smaller than that gradient spend more time re-reading it than on the tables; twice the output gradient keeps
+    those re-reads within one pass over the tables, and half the tables keeps the promise that no tensor the size of a
+    layer's tables holds its gradient (a group is never less than one table). The backward passes grad_bytes=0 for
+    tables stored in another dtype than float32 (bfloat16): their groups are converted to float32 through temporaries
+    of a group's size, and large temporaries are fresh memory from the OS (docs/kernel.md, "Measurements behind the
+    design choices").
     """
     if UPDATE_GROUP_BYTES is not None:
         return int(UPDATE_GROUP_BYTES)

@@ -141,22 +141,11 @@ def refuse_backward(y: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], wh
 
 # Which CPU pass reads an assembled int8 block: the fused kernel's `int8_lookup` (token-major: per token, its K rows'
 # codes converted to float in registers, weighted by score * scale, the offsets summed once per token) or PyTorch's
-# 8-bit row-wise embedding bag (FBGEMM's JIT-generated kernel). Measured on the 2-vCPU AMD EPYC Zen 4 (AVX-512, L2 1 MB
-# per core, L3 32 MB), a 512 -> d Memory Layer with 64 tables x 256 rows (8.5 MB of int8 tables at d=512), forward
-# (hash included) with each pass forced, one torch thread, FBGEMM's time / the fused pass's, medians of 5 round-robin
-# samples (benchmarks/results/quant/threads-1, `--sections layer --threads 1`; other jobs kept about one core busy):
-#   tokens   1      4      16     64     256    2048
-#   d=512    1.01x  1.14x  1.26x  0.89x  1.07x  0.94x      (1 token: 0.0309 vs 0.0313 ms; 2048: 6.25 vs 5.84 ms)
-#   d=768    1.14x  1.06x  0.96x  0.96x  0.81x  0.81x
-# The lookup alone (timed apart, one thread): at one token 4.7 vs 7.8 us (d=512), and with the earlier version of the
-# pass 5.8 vs 8.5 us (d=768) and 9.6 vs 16.3 us for 64 x 1024 rows (34 MB, beyond the L3); at 2048 tokens, d=512, 4.5 vs
-# 3.3 ms. A single
-# token's lookup is 64 row reads, which the fused pass issues at once (prefetched 16 ahead) with no per-call setup;
-# with more tokens both passes are compute-bound and FBGEMM's kernel spends fewer instructions per code. Two threads
-# (a run of the earlier version of the pass, other jobs below 0.2 cores) gave the same picture at d=512: 1.14x, 1.05x,
-# 0.95x, 0.76x, 0.64x, 0.73x. The crossover lies between 4 and 16 tokens; tables beyond the L3 kept the one-token
-# advantage and no measurement tied the crossover to the tables' size, so the rule is a token count: decoding (one
-# token per call, or a few) takes the fused pass, prefill and batches FBGEMM's.
+# 8-bit row-wise embedding bag (FBGEMM's JIT-generated kernel). A single token's lookup is K row reads, which the fused
+# pass issues at once with no per-call setup; with more tokens both passes are compute-bound and FBGEMM's kernel spends
+# fewer instructions per code. The crossover measured lies between 4 and 16 tokens and was not tied to the tables'
+# size, so the rule is a token count: decoding takes the fused pass, prefill and batches FBGEMM's (docs/kernel.md,
+# "Measurements behind the design choices").
 INT8_FUSED_MAX_TOKENS = 4
 INT8_PATHS = ("fused", "fbgemm")
 FORCE_INT8_PATH: str | None = None  # "fused" or "fbgemm" forces one path where both can run (benchmarks, tests)

@@ -65,3 +65,14 @@ def test_the_reference_pattern_finds_what_it_should():
     for text in ("the paper's section 2.3", "an issue with the cache", "GitHub issues", "the spec of the op"):
         assert not OUTSIDE_REFERENCE.search(text), text
     assert GIT_HASH.search("measured at git 0630197") and not GIT_HASH.search("digest 0630197")
+
+
+def test_no_hand_written_module_of_the_model_unit_is_over_700_lines():
+    """The model unit stays readable: each module one job, none over 700 lines (the generated kernel source aside),
+    and each C++ part of the kernel (csrc/cpu/) under 400."""
+    unit = ROOT / "modeling_memoryformer"
+    long = [f"{path.name}: {n}" for path in sorted(unit.glob("*.py")) if path.name != "memory_kernel_source.py"
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 700]
+    long += [f"csrc/cpu/{path.name}: {n}" for path in sorted((unit / "csrc" / "cpu").glob("*.[ch]*"))
+             if (n := len(path.read_text(encoding="utf-8").splitlines())) > 400]
+    assert long == [], "split these by concern (CONTRIBUTING, 'One place per concept'):\n" + "\n".join(long)

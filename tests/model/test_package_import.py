@@ -38,8 +38,8 @@ config = AutoConfig.for_model("memoryformer", **{TINY_CONFIG})
 model = AutoModelForCausalLM.from_config(config)
 import modeling_memoryformer as package
 import sys
-unit = {"configuration_memoryformer", "modeling_memoryformer", "memory_ops", "memory_kernel_source", "quantization",
-        "transformers_compat"}
+from pathlib import Path
+unit = {{path.stem for path in Path(package.__file__).parent.glob("*.py")}}  # the model unit: the top-level modules
 tools = sorted(name for name in sys.modules if name.split(".")[0] == "modeling_memoryformer" and "." in name
                and name.split(".", 1)[1] not in unit)  # the model imports no tool
 print(type(config).__name__, type(model).__name__, type(model).__module__, type(model)._auto_class, tools or "none")

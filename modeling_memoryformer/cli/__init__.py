@@ -9,6 +9,7 @@
     memoryformer generate   build a preset, run a forward and a generation, print FLOPs and memory
     memoryformer flops      FLOPs per block and table memory against the Pythia twin (paper Table 1)
     memoryformer kernels    CPU, caches and the fused kernel's strategy for every Memory Layer of a preset
+    memoryformer serve      a model behind an OpenAI-compatible HTTP endpoint, requests decoded in one batch
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ COMMANDS = (
      (("evaluation.settings:FlopsSettings", None),), "evaluation.flops:run_flops"),
     ("kernels", "CPU features, cache sizes, the fused kernel's vector layer and its strategy per Memory Layer.",
      (("evaluation.settings:KernelsSettings", None),), "evaluation.kernel_report:run_kernels"),
+    ("serve", "Serve a model behind an OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions).",
+     (("serving.settings:ServeSettings", None),), "serving.server:run_serve"),
 )
 
 

@@ -79,6 +79,12 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str | N
                 kwargs["metavar"] = flag_of(field).lstrip("-").replace("-", "_").upper()
         if not kwargs.get("required"):
             kwargs["default"] = default
+        if meta.get("positional"):  # `memoryformer serve MODEL`: named by its place, not a flag
+            kwargs.pop("dest")
+            kwargs.pop("required", None)
+            kwargs["metavar"] = meta.get("metavar", field.name.upper())
+            target.add_argument(field.name, **kwargs)
+            continue
         target.add_argument(flag_of(field), **kwargs)
 
 

@@ -29,14 +29,15 @@ def required_argv(command: cli.CommandParser, tmp_path) -> list[str]:
     for cls in command.settings_classes:
         for field in cli_fields(cls):
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-                argv += [flag_of(field), str(tmp_path / field.name)]
+                flag = [] if field.metadata.get("positional") else [flag_of(field)]
+                argv += [*flag, str(tmp_path / field.name)]
     return argv
 
 
 @pytest.mark.parametrize("name", [name for name, *_ in cli.COMMANDS])
 def test_every_option_is_a_settings_field_and_every_field_an_option(name):
     command = commands()[name]
-    options = {action.dest for action in command._actions if action.option_strings and action.dest != "help"}
+    options = {action.dest for action in command._actions if action.dest != "help"}  # flags and positionals
     fields = {f.name for cls in command.settings_classes for f in cli_fields(cls)}
     assert command.settings_classes and options == fields
 

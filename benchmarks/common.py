@@ -263,14 +263,14 @@ def total_memory_bytes() -> int | None:
 
 def cpu_model() -> str:
     """The CPU's name, as `memoryformer kernels` prints it."""
-    from modeling_memoryformer.evaluation.kernel_report import cpu_model as model
+    from modeling_memoryformer.cpu_facts import cpu_model as model
 
     return model()
 
 
 def cpu_flags() -> list[str]:
     """The CPU's vector features that matter for the kernels (x86 SSE4.2 ... AVX-512, AMX; aarch64 ASIMD, SVE)."""
-    from modeling_memoryformer.evaluation.kernel_report import cpu_features
+    from modeling_memoryformer.cpu_facts import cpu_features
 
     return cpu_features()
 

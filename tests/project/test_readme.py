@@ -65,8 +65,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # The guides whose blocks run after the README's, in this order (see the module docstring).
-GUIDES = ("training.md", "conversion.md", "evaluation-and-sharing.md", "quantization.md", "performance.md", "paper.md",
-          "limitations.md", "kernel.md")
+GUIDES = ("training.md", "conversion.md", "evaluation-and-sharing.md", "serving.md", "quantization.md", "performance.md",
+          "paper.md", "limitations.md", "kernel.md")
 DOCUMENTS = (README, *(ROOT / "docs" / name for name in GUIDES))
 SHARED_TOKENIZER = ROOT.parent / "shared" / "data" / "pythia-tokenizer"
 PYTHON_RUNNER = Path(__file__).resolve().parent / "_readme_python.py"

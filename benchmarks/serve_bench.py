@@ -117,6 +117,17 @@ class ServedModel:
                 raise RuntimeError(f"`{' '.join(command)}` did not start: {self.process.stderr.read()[-2000:]}")
             time.sleep(0.2)
 
+    def peak_rss_mb(self) -> float | None:
+        """The server process's peak resident memory so far (VmHWM), in MB."""
+        try:
+            with open(f"/proc/{self.process.pid}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return round(int(line.split()[1]) / 1024, 1)
+        except OSError:
+            pass
+        return None
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -205,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_level(served, path, 1, 1, prompts, 4)  # warm-up: first forwards, allocator
                     for clients in args.clients:
                         row = run_level(served, path, clients, args.requests, prompts, args.max_tokens)
-                        row.update(model=name, dtype=dtype)
+                        row.update(model=name, dtype=dtype, server_peak_rss_mb=served.peak_rss_mb())
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 finally:
@@ -228,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Each client: {args.requests} streaming completions of {args.max_tokens} tokens from "
              f"{args.prompt_tokens}-token prompts; batches of up to {args.max_batch_size}. Command: "
              f"`{env.get('command')}`.\n",
-             "| dtype | clients | MF-tiny tokens/s | twin tokens/s | MF/twin | MF TTFT ms | twin TTFT ms | other cores |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| dtype | clients | MF-tiny tokens/s | twin tokens/s | MF/twin | MF TTFT ms | twin TTFT ms | MF / twin "
+             "server peak RSS MB | other cores |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for ratio in ratios:
         mf = next(r for r in rows if r["model"] == "MF-tiny" and r["dtype"] == ratio["dtype"]
                   and r["clients"] == ratio["clients"])
@@ -238,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = " BUSY" if mf["busy"] or tw["busy"] else ""
         lines.append(f"| {ratio['dtype']} | {ratio['clients']} | {mf['tokens_per_s']} | {tw['tokens_per_s']} | "
                      f"{ratio['tokens_per_s_ratio']}x | {mf['ttft_median_ms']} | {tw['ttft_median_ms']} | "
+                     f"{mf['server_peak_rss_mb']} / {tw['server_peak_rss_mb']} | "
                      f"{max(mf['other_cores'], tw['other_cores'])}{busy} |")
     with open(os.path.join(args.out_dir, "results.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")

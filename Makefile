@@ -11,8 +11,8 @@ TRANSFORMERS_DEFAULT := 5.23.0
 TRANSFORMERS_FLOOR := 5.10.1
 FLOOR_VENV := .venv-transformers-floor
 NEWEST_VENV := .venv-transformers-newest
-# The model, generation, remote-code, pipeline and Hub tests.
-VERSION_TESTS := tests/model tests/tools/test_hub.py
+# The model, generation, remote-code, pipeline and Hub tests, and the server (it runs on transformers' serving code).
+VERSION_TESTS := tests/model tests/tools/test_hub.py tests/tools/test_serve.py
 
 .PHONY: setup demo test test-fast test-versions bench flops clean
 

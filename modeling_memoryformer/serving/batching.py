@@ -22,11 +22,13 @@ matrix shapes), as in any batched server.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 
 # transformers' serving layer (the `[serving]` extra); this module is imported only by `memoryformer serve`.
 from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, _GenerationCancelled, _StreamError
@@ -88,11 +90,19 @@ class BatchedGenerateManager(BaseGenerateManager):
 
     # ---- the interface transformers' handlers call (on the event loop) ----
 
-    def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+    def generate_streaming(self, model, processor, inputs, gen_config, request_id, **options):
+        """`options`: what the running transformers release hands its streamer (a `response_parser` since 5.23,
+        `tool_config` and `reasoning_config` before), passed on to its DirectStreamer; one it does not take is an
+        error when set, never dropped."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
+        accepted = inspect.signature(DirectStreamer.__init__).parameters
+        unknown = {name for name, value in options.items() if value is not None and name not in accepted}
+        if unknown:
+            raise ValueError(f"This server cannot honour {sorted(unknown)} with transformers "
+                             f"{transformers.__version__}'s streamer; send the request without it.")
         streamer = DirectStreamer(getattr(processor, "tokenizer", processor)._tokenizer, loop, out,
-                                  response_parser=response_parser)
+                                  **{name: value for name, value in options.items() if name in accepted})
         ids = self._checked_ids(inputs, gen_config)
         streamer.put(torch.tensor(ids))  # the prompt, which the streamer skips
 

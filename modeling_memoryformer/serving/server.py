@@ -13,6 +13,7 @@ way (benchmarks/serve_bench.py).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request, dict) as objects.
+import os
 import threading
 import time
 
@@ -45,8 +46,14 @@ def _model_manager_class():
             import modeling_memoryformer  # noqa: F401 (registers the Auto classes)
             from transformers import AutoModelForCausalLM
 
-            model_id, revision = model_id_and_revision.split("@", 1)
-            model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=self.dtype)
+            # "org/model@revision", or a local path as it is (transformers 5.24 keeps paths without "@main")
+            if os.path.exists(model_id_and_revision):
+                model_id, revision = model_id_and_revision, None
+            else:
+                model_id, _, revision = model_id_and_revision.rpartition("@") if "@" in model_id_and_revision \
+                    else (model_id_and_revision, "", None)
+                model_id = model_id or model_id_and_revision
+            model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision or None, dtype=self.dtype)
             return model.eval()
 
     return MemoryFormerModelManager

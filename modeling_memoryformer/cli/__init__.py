@@ -56,7 +56,8 @@ COMMANDS = (
     ("kernels", "CPU features, cache sizes, the fused kernel's vector layer and its strategy per Memory Layer.",
      (("evaluation.settings:KernelsSettings", None),), "evaluation.kernel_report:run_kernels"),
     ("serve", "Serve a model behind an OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions).",
-     (("serving.settings:ServeSettings", None),), "serving.server:run_serve"),
+     (("serving.settings:ServeSettings", None), ("evaluation.settings:StorageSettings", "storage for inference")),
+     "serving.server:run_serve"),
 )
 
 

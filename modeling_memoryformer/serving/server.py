@@ -40,7 +40,10 @@ def _model_manager_class():
 
     class MemoryFormerModelManager(ModelManager):
         """transformers' model manager, loading through AutoModelForCausalLM (the Auto classes know MemoryFormer)
-        on the CPU, in the dtype asked for; the model is loaded once at start and never unloaded."""
+        on the CPU, in the dtype asked for, its tables and LM head stored as `storage` asks (int8 or bfloat16,
+        evaluation.settings.StorageSettings); the model is loaded once at start and never unloaded."""
+
+        storage = None
 
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             import modeling_memoryformer  # noqa: F401 (registers the Auto classes)
@@ -54,6 +57,11 @@ def _model_manager_class():
                     else (model_id_and_revision, "", None)
                 model_id = model_id or model_id_and_revision
             model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision or None, dtype=self.dtype)
+            if self.storage is not None and self.storage.requested:
+                if not hasattr(model, "quantize_tables"):
+                    raise ValueError(f"--table-dtype / --lm-head-dtype store a MemoryFormer's tables; {model_id} is a "
+                                     f"{type(model).__name__}. Serve it without them.")
+                self.storage.apply(model)
             return model.eval()
 
     return MemoryFormerModelManager
@@ -98,8 +106,8 @@ def _generation_state_class():
     return BatchingGenerationState
 
 
-def build_app(settings: ServeSettings):
-    """The FastAPI app serving `settings.model` (loaded now), and its generation state."""
+def build_app(settings: ServeSettings, storage=None):
+    """The FastAPI app serving `settings.model` (loaded now, stored as `storage` asks), and its generation state."""
     check_serving_available()
     import logging
 
@@ -112,7 +120,9 @@ def build_app(settings: ServeSettings):
 
     from .batching import RequestTooLong
 
-    manager = _model_manager_class()(device="cpu", dtype=settings.dtype, model_timeout=-1, force_model=settings.model)
+    manager_class = _model_manager_class()
+    manager_class.storage = storage
+    manager = manager_class(device="cpu", dtype=settings.dtype, model_timeout=-1, force_model=settings.model)
     model_id = manager.process_model_name(settings.model)
     state = _generation_state_class()(manager, settings.max_batch_size, settings.max_request_tokens)
     state.get_manager(model_id)  # the batching worker starts with the server, not with the first request
@@ -170,11 +180,11 @@ def build_app(settings: ServeSettings):
 class Server:
     """uvicorn running `build_app(settings)`; `start()` in a background thread (tests, benchmarks) or `run()`."""
 
-    def __init__(self, settings: ServeSettings):
+    def __init__(self, settings: ServeSettings, storage=None):
         import uvicorn
 
         self.settings = settings
-        self.app, self.state = build_app(settings)
+        self.app, self.state = build_app(settings, storage)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=settings.host, port=settings.port,
                                                      log_level="warning", lifespan="off"))
         self._thread: threading.Thread | None = None
@@ -208,13 +218,13 @@ class Server:
         self.state.shutdown()
 
 
-def run_serve(settings: ServeSettings) -> int:
-    """`memoryformer serve`: load the model, then serve until interrupted."""
+def run_serve(settings: ServeSettings, storage=None) -> int:
+    """`memoryformer serve`: load the model (stored as `storage` asks), then serve until interrupted."""
     import torch
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    server = Server(settings)
+    server = Server(settings, storage)
     print(f"serving {settings.model} on http://{settings.host}:{settings.port}/v1 (batches of up to "
           f"{settings.max_batch_size}); Ctrl-C stops", flush=True)
     server.run()

@@ -180,6 +180,24 @@ def test_the_openai_client_raises_its_bad_request_error(served):
     assert info.value.body["code"] == "context_length_exceeded"
 
 
+def test_int8_tables_are_served_as_generate_runs_them(served):
+    """--table-dtype int8: the server quantises the tables at load; its greedy tokens are those of the same model
+    quantised in Python."""
+    from modeling_memoryformer.evaluation.settings import StorageSettings
+
+    _, _, model, tokenizer, name = served
+    int8 = Server(ServeSettings(model=name, port=0), StorageSettings(table_dtype="int8")).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{int8.port}/v1", api_key="unused", max_retries=0)
+        quantised = MemoryFormerForCausalLM.from_pretrained(name).quantize_tables("int8")
+        text = client.completions.create(model=name, prompt="the quick", max_tokens=10, temperature=0).choices[0].text
+        assert text == greedy(quantised, tokenizer, "the quick", 10)
+        (loaded,) = [m.model for m in int8.state._model_manager.loaded_models.values()]
+        assert loaded.config.table_dtype == "int8"
+    finally:
+        int8.stop()
+
+
 def test_serve_options_are_checked(capsys):
     assert cli.main(["serve", "model", "--port", "70000"]) != 0
     assert "--port must be in 0..65535, got 70000" in capsys.readouterr().err

@@ -13,6 +13,7 @@ way (benchmarks/serve_bench.py).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request, dict) as objects.
+import contextlib
 import os
 import threading
 import time
@@ -106,6 +107,26 @@ def _generation_state_class():
     return BatchingGenerationState
 
 
+async def _until_disconnected(request, handling):
+    """Await `handling` (a handler's coroutine), cancelling it when the client goes away first: a non-streaming
+    request's row then leaves the batch (its manager sees the cancellation) instead of decoding for nobody. A streaming
+    request returns its response at once; its stream notices a disconnect itself."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    task = asyncio.ensure_future(handling)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return JSONResponse(_error_body("The client closed the connection.", 499), status_code=499)
+
+
 def build_app(settings: ServeSettings, storage=None):
     """The FastAPI app serving `settings.model` (loaded now, stored as `storage` asks), and its generation state."""
     check_serving_available()
@@ -157,11 +178,13 @@ def build_app(settings: ServeSettings, storage=None):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: dict):
-        return await chat.handle_request(body, request.headers.get("x-request-id") or f"chatcmpl-{time.time_ns()}")
+        request_id = request.headers.get("x-request-id") or f"chatcmpl-{time.time_ns()}"
+        return await _until_disconnected(request, chat.handle_request(body, request_id))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: dict):
-        return await completion.handle_request(body, request.headers.get("x-request-id") or f"cmpl-{time.time_ns()}")
+        request_id = request.headers.get("x-request-id") or f"cmpl-{time.time_ns()}"
+        return await _until_disconnected(request, completion.handle_request(body, request_id))
 
     @app.get("/v1/models")
     def models():

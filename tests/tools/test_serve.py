@@ -139,6 +139,35 @@ def test_a_client_that_goes_away_frees_its_row(served):
     assert manager._rows == []
 
 
+def test_a_non_streaming_client_that_goes_away_frees_its_row(served):
+    """The model is slowed to 30 ms a forward, so 100 tokens take 3 s; the client gives up after 0.5 s. Its row must
+    leave the batch then, not decode for nobody to the end."""
+    server, client, model, tokenizer, name = served
+    manager = batcher(server)
+    before = manager.dropped
+    original = manager.model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.03)
+        return original(*args, **kwargs)
+
+    manager.model.forward = slow_forward
+    try:
+        impatient = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
+                                  timeout=0.5)
+        start = time.monotonic()
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model=name, prompt="the quick", max_tokens=100, temperature=0)
+        while manager.dropped == before and time.monotonic() < start + 5:
+            time.sleep(0.02)
+        assert manager.dropped == before + 1
+        assert time.monotonic() - start < 2.0  # well before the 3 s its 100 tokens would have taken
+    finally:
+        del manager.model.forward  # the bound method again
+    while manager._rows:
+        time.sleep(0.05)
+
+
 def test_sampling_gives_max_tokens_tokens(served):
     server, client, model, tokenizer, name = served
     response = client.completions.create(model=name, prompt="the", max_tokens=9, temperature=0.8, top_p=0.9)

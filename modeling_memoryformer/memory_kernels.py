@@ -6,8 +6,10 @@ Kernels:
              code, nothing built.
     "fused"  the C++ CPU kernels (csrc/cpu/, built by memory_backend_cpu.py) behind the ops of
              torch.ops.memoryformer, for CPU tensors.
-    "auto"   (default) "fused" on CPU tensors when the C++ builds here, else "torch".
-Tensors on other devices always take the PyTorch kernels.
+    "triton" the Triton kernels (memory_backend_triton.py) behind the ops of torch.ops.memoryformer_triton: CUDA
+             tensors, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, for tests).
+    "auto"   (default) "fused" on CPU tensors when the C++ builds here, else "torch"; "triton" on CUDA tensors when
+             triton is installed, else "torch".
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .memory_backend_cpu import fused_error, fused_state, load_fused_kernels
 from .memory_backend_torch import TORCH_BACKEND
+from .memory_backend_triton import TRITON_BACKEND, triton_available
 from .memory_op_library import OPS_NAMESPACE, namespace_ops
 
-KERNELS = ("auto", "fused", "torch")
+KERNELS = ("auto", "fused", "torch", "triton")
 _kernel_choice = os.environ.get("MEMORYFORMER_KERNEL", "auto")
 
 
@@ -40,6 +43,11 @@ def get_kernel() -> str:
         raise ValueError(f"MEMORYFORMER_KERNEL={choice!r} is not supported; choose one of {', '.join(KERNELS)}.")
     if choice == "torch":
         return "torch"  # never builds nor loads the fused kernel
+    if choice == "triton":
+        if not triton_available():
+            raise RuntimeError("MEMORYFORMER_KERNEL=triton needs triton: pip install triton (CUDA tensors, or CPU "
+                               "tensors with TRITON_INTERPRET=1).")
+        return "triton"
     if choice == "auto":
         return "fused" if "fused" in available_kernels() else "torch"
     if choice not in available_kernels():
@@ -48,7 +56,8 @@ def get_kernel() -> str:
 
 
 def set_kernel(name: str) -> None:
-    """Force an implementation for this process: "auto" (default; also MEMORYFORMER_KERNEL), "fused" or "torch"."""
+    """Force an implementation for this process: "auto" (default; also MEMORYFORMER_KERNEL), "fused", "torch" or
+    "triton"."""
     global _kernel_choice
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {name!r}.")
@@ -69,7 +78,7 @@ def use_kernel(name: str):
 
 
 def kernel_setting() -> str:
-    """The kernel asked for: MEMORYFORMER_KERNEL, or what `set_kernel` / `use_kernel` set ("auto", "fused", "torch")."""
+    """The kernel asked for: MEMORYFORMER_KERNEL, or what `set_kernel` / `use_kernel` set (one of KERNELS)."""
     return _kernel_choice
 
 
@@ -116,8 +125,16 @@ _FUSED = _FusedBackend()
 
 
 def backend_for(tensor: torch.Tensor):
-    """The kernels for ops on `tensor`: the fused CPU ones where they are in use, else the PyTorch ones (memory_backend_torch.TORCH_BACKEND). Both take
-    the ops' arguments (memory_op_library.OP_SCHEMAS) and return the same shapes and dtypes."""
+    """The kernels for ops on `tensor`: the Triton ones when asked for (or on CUDA when triton is installed), the
+    fused CPU ones where they are in use, else the PyTorch ones (memory_backend_torch.TORCH_BACKEND). All take the
+    ops' arguments (memory_op_library.OP_SCHEMAS) and return the same shapes and dtypes."""
+    if _kernel_choice == "triton":
+        if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("MEMORYFORMER_KERNEL=triton runs CPU tensors only under Triton's interpreter: set "
+                               "TRITON_INTERPRET=1 before triton is imported (tests), or use a CUDA device.")
+        return TRITON_BACKEND
+    if tensor.device.type == "cuda" and _kernel_choice == "auto" and triton_available():
+        return TRITON_BACKEND
     return _FUSED if uses_fused(tensor) else TORCH_BACKEND
 
 

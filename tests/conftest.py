@@ -13,8 +13,16 @@ those out for the edit-test loop; `make test` runs everything.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton backend's tests (tests/kernel/test_triton_backend.py) run its kernels on CPU tensors under
+# Triton's interpreter. The variable must be set before triton is imported, and importing the model imports it
+# (through transformers), so it is set here, first; with a GPU the same tests run on it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import modeling_memoryformer  # noqa: F401  (registers the Auto classes)
 from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM

@@ -92,14 +92,16 @@ def _tables_and_segments(model: nn.Module) -> list[tuple[nn.Parameter, int]]:
 
 
 def _fused_step_ops(weight: torch.Tensor, grad: torch.Tensor, *states: torch.Tensor):
-    """The fused kernel's one-pass table updates when they apply (float32 CPU tensors, contiguous, the fused kernel
-    in use), else None: the PyTorch form below computes the same formulas in several passes over the table."""
+    """The one-pass table updates when they apply (float32 tensors, contiguous, on the weight's device, and the fused
+    CPU kernels or the Triton ones in use for it), else None: the PyTorch form below computes the same formulas in
+    several passes over the table."""
     tensors = (weight, grad, *states)
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if not all(t.dtype == torch.float32 and t.device == weight.device and t.is_contiguous() for t in tensors):
         return None
-    from ..memory_kernels import fused_ops, uses_fused
+    from ..memory_kernels import backend_for
 
-    return fused_ops() if uses_fused(weight) else None
+    kernels = backend_for(weight)
+    return kernels if kernels.name in ("fused", "triton") else None
 
 
 def second_moment_shape(rows: int, segments: int = 1) -> tuple[int, ...]:

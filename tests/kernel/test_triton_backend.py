@@ -95,3 +95,85 @@ def test_opcheck_triton_kernels(op):
 def test_an_unknown_score_is_refused():
     with pytest.raises(ValueError, match="is not supported"):
         triton_ops().hash(torch.randn(2, 8, device=DEVICE), 4, "cosine", 1.0)
+
+
+def lookups(tokens: int, tau: int, tables: int, hot: bool, seed: int = 0):
+    """rows [N, K] into K tables of 2**tau rows; `hot`: every token hits row 0 of each table (a hot row)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.zeros(tokens, tables, dtype=torch.long) if hot else torch.randint(0, 1 << tau, (tokens, tables),
+                                                                                     generator=g)
+    return (codes + torch.arange(tables) * (1 << tau)).to(DEVICE)
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["spread", "hot-row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lookup_backward_equals_the_pytorch_kernel_without_atomics(hot, dtype):
+    """The table gradient (lookups sorted by row, each row written once) and the score gradient, dense and as the
+    rows hit, equal the PyTorch kernel's; a hot row (hit by every token) too."""
+    from modeling_memoryformer.memory_backend_torch import TORCH_BACKEND
+
+    g = torch.Generator().manual_seed(2)
+    rows = lookups(9, 4, 3, hot)
+    scores = torch.rand(9, 3, generator=g).to(DEVICE)
+    tables = torch.randn(3 << 4, 130, generator=g).to(DEVICE, dtype)
+    grad = torch.randn(9, 130, generator=g).to(DEVICE, dtype)
+    ops = triton_ops()
+    got = ops.lookup_backward(grad, rows, scores, tables, 16, True, True)
+    want = TORCH_BACKEND.lookup_backward(grad, rows, scores, tables, 16, True, True)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and relative(a, b) < tolerance
+    scores_rows, hit, values = ops.lookup_backward_rows(grad, rows, scores, tables, 16, True)
+    want_scores, want_hit, want_values = TORCH_BACKEND.lookup_backward_rows(grad, rows, scores, tables, 16, True)
+    assert torch.equal(hit, want_hit) and relative(values, want_values) < tolerance
+    assert relative(scores_rows, want_scores) < tolerance
+
+
+@pytest.mark.parametrize("score", memory_ops.HASH_SCORES)
+def test_hash_backward_equals_the_float64_formula(score):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3 * 5, generator=g).to(DEVICE)
+    grad_scores = torch.randn(6, 3, generator=g).to(DEVICE)
+    got = triton_ops().hash_backward(grad_scores, x, 5, score, 0.6)
+    x64 = x.double().requires_grad_()
+    (want,) = torch.autograd.grad(memory_ops.hash_scores(x64, 5, score, 0.6), x64, grad_scores.double())
+    assert relative(got, want) < 1e-5
+
+
+def test_int8_reads_equal_dequantise_then_gather():
+    from modeling_memoryformer.quantization import dequantize_int8, int8_views, quantize_int8_rows
+
+    g = torch.Generator().manual_seed(4)
+    tables = torch.randn(3 << 4, 40, generator=g)
+    packed = quantize_int8_rows(tables)
+    codes, scale, offset = int8_views(packed)
+    packed = packed.to(DEVICE)
+    rows = lookups(5, 4, 3, hot=False)
+    scores = torch.rand(5, 3, generator=g).to(DEVICE)
+    bias = torch.randn(40, generator=g).to(DEVICE)
+    got = triton_ops().int8_lookup(rows, scores, packed, bias, 16)
+    dequantised = dequantize_int8(codes, scale, offset).to(DEVICE)
+    want = (scores.unsqueeze(-1) * dequantised[rows]).sum(1) + bias
+    assert got.dtype == torch.float32 and relative(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("rule", ["rowwise_adagrad_step", "adam_rowwise_step"])
+def test_the_fused_row_wise_updates_equal_their_formula(rule):
+    from modeling_memoryformer.memory_backend_torch import TORCH_BACKEND
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(20, 37, generator=g).to(DEVICE)
+    grad = torch.randn(20, 37, generator=g).to(DEVICE)
+    if rule == "rowwise_adagrad_step":
+        states = (torch.rand(20, generator=g).to(DEVICE),)
+        args = (0.05, 1e-8, 0.01)
+    else:
+        states = (torch.randn(20, 37, generator=g).to(DEVICE), torch.rand(20, generator=g).to(DEVICE))
+        args = (3, 0.05, 0.9, 0.999, 1e-8, 0.01)
+    ours = [weight.clone(), grad, *(s.clone() for s in states)]
+    theirs = [weight.clone(), grad, *(s.clone() for s in states)]
+    getattr(triton_ops(), rule)(*ours, *args)
+    getattr(TORCH_BACKEND, rule)(*theirs, *args)
+    for a, b in zip(ours, theirs, strict=True):
+        assert relative(a, b) < 1e-6
+    assert not torch.equal(ours[0], weight)  # the weight did change

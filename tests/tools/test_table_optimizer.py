@@ -60,7 +60,7 @@ def random_grads(shape, steps, seed):
     return grads
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["fused", "torch", "triton"])
 def test_rowwise_adagrad_follows_its_formula(kernel):
     """The fused kernel's one-pass update and the PyTorch form, each against the formula."""
     require_kernel(kernel)
@@ -75,7 +75,7 @@ def test_rowwise_adagrad_follows_its_formula(kernel):
     torch.testing.assert_close(s.double(), expected_s, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["fused", "torch", "triton"])
 def test_adam_rowwise_follows_its_formula(kernel):
     require_kernel(kernel)
     w0 = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
@@ -315,7 +315,7 @@ def test_update_groups_follow_the_output_gradient_and_never_hold_a_whole_layer(t
     assert seen == expected
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["fused", "torch", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted
 @pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam_rowwise"])
 def test_update_in_the_backward_equals_the_rule_on_the_whole_gradient(kernel, rule, monkeypatch):
     """The Memory Layer's backward updates its tables group by group (here groups of 3 of its 10 tables: 3, 3, 3, 1)

@@ -190,7 +190,38 @@ def _kernels():
                 w = w * decay - scale * g
             tl.store(weight_ptr + r * width + cols, w, mask=inside)
 
-    return types.SimpleNamespace(hash=hash_kernel, lookup=lookup_kernel, hash_backward=hash_backward_kernel,
+    @triton.jit
+    def fused_forward_kernel(x_ptr, tables_ptr, bias_ptr, out_ptr, rows_ptr, scores_ptr, num_tables, width,
+                             temperature, TAU: tl.constexpr, TAU_P2: tl.constexpr, SCORE: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # The whole Memory Layer in one kernel, one program per (token, block of columns): for each table, the
+        # chunk's code and score (as hash_kernel), then its row's columns weighted into a float32 sum. The programs
+        # of the first column block also write the rows and scores the backward needs.
+        n = tl.program_id(0)
+        block = tl.program_id(1)
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        i = tl.arange(0, TAU_P2)
+        valid = i < TAU
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(num_tables):
+            z = tl.load(x_ptr + n * num_tables * TAU + k * TAU + i, mask=valid, other=0.0).to(tl.float32)
+            code = tl.sum(tl.where(valid & (z >= 0), 1 << i, 0), axis=0)
+            a = tl.abs(z)
+            p = tl.exp(-tl.sum(tl.where(valid, tl.log(1.0 + tl.exp(-2.0 * a / temperature)), 0.0), axis=0))
+            if SCORE == 1:
+                p = p * tl.sum(tl.where(valid, a, 0.0), axis=0)
+            row = (k * (1 << TAU) + code).to(tl.int64)
+            if block == 0:
+                tl.store(rows_ptr + n * num_tables + k, row)
+                tl.store(scores_ptr + n * num_tables + k, p)
+            acc += p * tl.load(tables_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n * width + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+    return types.SimpleNamespace(fused_forward=fused_forward_kernel, hash=hash_kernel, lookup=lookup_kernel,
+                                 hash_backward=hash_backward_kernel,
                                  grad_scores=grad_scores_kernel, row_gradients=row_gradients_kernel,
                                  int8_lookup=int8_lookup_kernel, rowwise_step=rowwise_step_kernel, triton=triton)
 
@@ -351,6 +382,50 @@ def adam_rowwise_step(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
         _kernels().rowwise_step[(weight.shape[0],)](
             weight, grad, exp_avg_sq, exp_avg, weight.shape[1], lr, eps, 1.0 - lr * weight_decay, beta1, beta2,
             lr / (1.0 - beta1**step), 1.0 - beta2**step, ADAM=True, BLOCK=_block(weight.shape[1]))
+
+
+def fused_forward(x: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor | None, hash_bits: int, score: str,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hash, score and gather in one Triton kernel: x [N, K * tau], tables [K * 2**tau, D] (x and bias in the
+    tables' dtype) -> (y [N, D] in the tables' dtype, rows [N, K], scores [N, K] float32)."""
+    x, tables = x.contiguous(), tables.contiguous()
+    n, k = x.shape[0], x.shape[1] // hash_bits
+    width = tables.shape[1]
+    y = torch.empty((n, width), dtype=tables.dtype, device=tables.device)
+    rows = torch.empty((n, k), dtype=torch.long, device=x.device)
+    scores = torch.empty((n, k), dtype=torch.float32, device=x.device)
+    if n and k and width:
+        kernels = _kernels()
+        block = _block(width)
+        kernels.fused_forward[(n, (width + block - 1) // block)](
+            x, tables, bias if bias is not None else tables, y, rows, scores, k, width, float(temperature),
+            TAU=hash_bits, TAU_P2=kernels.triton.next_power_of_2(hash_bits), SCORE=SCORE_IDS[score],
+            HAS_BIAS=bias is not None, BLOCK=block)
+    return y, rows, scores
+
+
+class FusedMemoryLookup(torch.autograd.Function):
+    """The Memory Layer as one autograd node on Triton: `fused_forward`, and a backward through the Triton ops
+    (`lookup_backward`: the table and score gradients without atomics; `hash_backward`: the input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, tables, bias, hash_bits, score, temperature):
+        y, rows, scores = fused_forward(x, tables, bias, hash_bits, score, temperature)
+        ctx.save_for_backward(x, rows, scores, tables)
+        ctx.args = (hash_bits, score, float(temperature))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rows, scores, tables = ctx.saved_tensors
+        need_x, need_tables, need_bias = ctx.needs_input_grad[:3]
+        ops = triton_ops()
+        grad = grad.contiguous()
+        grad_scores, grad_tables = ops.lookup_backward(grad, rows, scores, tables, tables.shape[0] // rows.shape[1],
+                                                       need_tables, need_x)
+        grad_x = ops.hash_backward(grad_scores, x, *ctx.args) if need_x else None
+        grad_bias = grad.sum(0) if need_bias else None
+        return grad_x, grad_tables if need_tables else None, grad_bias, None, None, None
 
 
 TRITON_KERNELS = {"hash": hash, "hash_backward": hash_backward, "lookup": lookup, "lookup_backward": lookup_backward,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .memory_backend_triton import FusedMemoryLookup
 from .memory_backend_cpu import (  # noqa: F401 (re-exported)
     KernelBuildError,
     build_kernel_variant,
@@ -220,6 +221,12 @@ def memory_lookup(
         lead = x.shape[:-1]
         y = _SparseMemoryLookup.apply(x.reshape(-1, x.shape[-1]).contiguous(), tables.contiguous(), bias, hash_bits,
                                       score, float(temperature))
+        return y.view(*lead, tables.shape[-1])
+    if (kernels.name == "triton" and not sparse and x.dtype == tables.dtype != torch.float64
+            and (bias is None or bias.dtype == tables.dtype) and table_update_for(tables) is None
+            and not torch.compiler.is_compiling()):
+        lead = x.shape[:-1]  # hash, score and gather in one Triton kernel
+        y = FusedMemoryLookup.apply(x.reshape(-1, x.shape[-1]), tables, bias, hash_bits, score, float(temperature))
         return y.view(*lead, tables.shape[-1])
     rows, scores = hashed_rows(x, hash_bits, score, temperature, kernels=kernels)
     return _gather_accumulate(rows, scores, tables, bias, output_dtype(x.dtype, tables.dtype), sparse)

@@ -177,3 +177,35 @@ def test_the_fused_row_wise_updates_equal_their_formula(rule):
     for a, b in zip(ours, theirs, strict=True):
         assert relative(a, b) < 1e-6
     assert not torch.equal(ours[0], weight)  # the weight did change
+
+
+@pytest.mark.parametrize("score", memory_ops.HASH_SCORES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fused_forward_hashes_scores_and_gathers_in_one_kernel(score, dtype):
+    """memory_lookup on the Triton backend takes the one-kernel forward (FusedMemoryLookup); output and gradients
+    equal the float64 reference."""
+    from modeling_memoryformer.memory_backend_triton import FusedMemoryLookup
+
+    x, t, b = problem(5, 5, 3, 37, dtype, seed=6)
+    calls = []
+    original = FusedMemoryLookup.forward
+
+    def counting(ctx, *args):
+        calls.append(1)
+        return original(ctx, *args)
+
+    FusedMemoryLookup.forward = staticmethod(counting)
+    try:
+        with memory_kernels.use_kernel("triton"):
+            y = memory_ops.memory_lookup(x.unsqueeze(0), t, b, 5, score, 0.8)[0]
+    finally:
+        FusedMemoryLookup.forward = staticmethod(original)
+    assert calls == [1] and y.dtype == dtype
+    grads = torch.autograd.grad(y.float().square().sum(), (x, t, b))
+    x64, t64, b64 = (v.detach().double().requires_grad_() for v in (x, t, b))
+    want = memory_lookup_reference(x64, t64, b64, 5, score, 0.8)
+    want_grads = torch.autograd.grad(want.square().sum(), (x64, t64, b64))
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative(y, want) < tolerance
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert relative(got, expected) < (1e-4 if dtype == torch.float32 else 3e-2)

@@ -54,7 +54,7 @@ $(NEWEST_VENV)/.memoryformer-installed: pyproject.toml scripts/version_venv.sh
 # (tests/model/test_transformers_versions.py).
 test: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed
 	MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_OTHER_PYTHONS=$(abspath $(FLOOR_VENV)/bin/python):$(abspath $(NEWEST_VENV)/bin/python) \
-		$(PY) -m pytest -q tests
+		$(PY) -m pytest -q --durations=15 tests
 	@$(MAKE) --no-print-directory test-versions
 
 # The fast tier for the edit-test loop: every test not marked `slow` (pyproject.toml registers the marker), under 3

@@ -15,7 +15,7 @@ CUDA events around each:
   a training step of 8 x 512 tokens with fused AdamW, peak GPU memory of each. (The fused row-wise table update, which
   keeps no table-sized gradient, is checked by tests/tools/test_table_optimizer.py's Triton cases, which run on a GPU
   unchanged; it is not timed here yet.)
-Targets it reports against (issue 35): layer forward >= 2x `nn.Linear` in bf16 at d = 1024, 8192 tokens; MF-tiny
+Targets it reports against: layer forward >= 2x `nn.Linear` in bf16 at d = 1024, 8192 tokens; MF-tiny
 training step >= 1.3x its twin; no table-sized gradient with the fused table update.
 Nothing here has been run on a GPU yet: no GPU is available where this project is built and tested.
 """

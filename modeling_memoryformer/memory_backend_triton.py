@@ -33,8 +33,9 @@ TRITON_NAMESPACE = "memoryformer_triton"
 SCORE_IDS = {name: i for i, name in enumerate(HASH_SCORES)}  # the score by name -> the kernels' constexpr
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether triton imports here."""
+    """Whether triton imports here (tried once per process)."""
     try:
         import triton  # noqa: F401
     except ImportError:

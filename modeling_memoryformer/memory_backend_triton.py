@@ -46,8 +46,13 @@ def triton_available() -> bool:
 @functools.cache
 def _kernels():
     """The Triton kernels, compiled on first use (triton imported here, not at module import)."""
-    import triton
-    import triton.language as tl
+    # In a try block: transformers' remote-code loader lists a model file's imports, except those inside try blocks,
+    # and refuses to load a model whose listed imports are missing; triton is optional.
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        raise ImportError("The Triton backend of the Memory Layer needs triton: pip install triton.") from exc
 
     @triton.jit
     def hash_kernel(x_ptr, rows_ptr, scores_ptr, num_tables, temperature, TAU: tl.constexpr,

@@ -111,6 +111,17 @@ def test_the_package_top_level_is_the_model_unit():
     assert sorted(path.name for path in PACKAGE_DIR.glob("*.py")) == sorted(["__init__.py", *MODEL_FILES])
 
 
+def test_remote_code_requires_only_torch_transformers_and_safetensors():
+    """transformers' remote-code loader lists each model file's imports (its own `get_imports`, which skips imports
+    inside try blocks) and refuses to load the model when one is not installed: an optional dependency (triton)
+    imported outside a try block would make every saved folder unloadable where it is missing."""
+    from transformers.dynamic_module_utils import get_imports
+
+    allowed = {"torch", "transformers", "safetensors", *sys.stdlib_module_names}
+    needed = {name: set(get_imports(PACKAGE_DIR / name)) - allowed for name in MODEL_FILES}
+    assert {name: imports for name, imports in needed.items() if imports} == {}
+
+
 def test_save_pretrained_writes_exactly_the_model_unit(saved_folder):
     _, folder = saved_folder
     assert sorted(path.name for path in folder.iterdir()) == sorted(SAVED_FILES)

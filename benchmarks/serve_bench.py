@@ -52,9 +52,11 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 def _machine_busy_seconds() -> float:
-    with open("/proc/stat", encoding="ascii") as f:
-        fields = [int(v) for v in f.readline().split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the whole machine has been busy (evaluation.cpu_load's reading of /proc/stat)."""
+    from modeling_memoryformer.evaluation.cpu_load import cpu_snapshot
+
+    snapshot = cpu_snapshot()
+    return snapshot[1] if snapshot is not None else 0.0
 
 
 def _tokenizer():

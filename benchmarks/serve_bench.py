@@ -102,10 +102,12 @@ def save_models(folder: str, seed: int) -> dict[str, str]:
 class ServedModel:
     """`memoryformer serve FOLDER` in a process of its own, until `stop()`."""
 
-    def __init__(self, folder: str, dtype: str, max_batch_size: int):
+    def __init__(self, folder: str, dtype: str, max_batch_size: int, max_batch_tokens: int | None = None):
         self.port = _free_port()
         command = [sys.executable, "-m", "modeling_memoryformer.cli", "serve", folder, "--port", str(self.port),
                    "--dtype", dtype, "--max-batch-size", str(max_batch_size)]
+        if max_batch_tokens is not None:
+            command += ["--max-batch-tokens", str(max_batch_tokens)]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
         while True:
@@ -193,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="tokens in one forward at most (default: the server's, 512)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--note", default="", help="a line for results.md: what was served, how the machine was")
     parser.add_argument("--out-dir", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         folders = save_models(folder, args.seed)
         for dtype in args.dtypes:
             for name, path in folders.items():
-                served = ServedModel(path, dtype, args.max_batch_size)
+                served = ServedModel(path, dtype, args.max_batch_size, args.max_batch_tokens)
                 try:
                     run_level(served, path, 1, 1, prompts, 4)  # warm-up: first forwards, allocator
                     for clients in args.clients:
@@ -239,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Serving: MF-tiny vs its twin behind `memoryformer serve`\n",
              f"CPU: {env.get('cpu')}, {env.get('logical_cpus')} logical CPUs; torch {env.get('torch')}. "
              f"Each client: {args.requests} streaming completions of {args.max_tokens} tokens from "
-             f"{args.prompt_tokens}-token prompts; batches of up to {args.max_batch_size}. Command: "
-             f"`{env.get('command')}`.\n",
+             f"{args.prompt_tokens}-token prompts; batches of up to {args.max_batch_size} requests"
+             + (f", {args.max_batch_tokens} tokens a forward" if args.max_batch_tokens else "")
+             + f". Command: `{env.get('command')}`.\n",
+             *([f"{args.note}\n"] if args.note else []),
              "| dtype | clients | MF-tiny tokens/s | twin tokens/s | MF/twin | MF TTFT ms | twin TTFT ms | MF / twin "
              "server peak RSS MB | other cores |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -79,7 +79,10 @@ def _initializing(name: str) -> bool:
 
 
 def _watched(name: str) -> bool:
-    return name == "transformers" or name.startswith("transformers.") or name in _MODEL_MODULES
+    """transformers' modules and every module of this package: registration waits until the outermost import of any
+    of them has finished, so that it never imports a model file that is still half-initialised (`import
+    modeling_memoryformer.memory_layer` loads transformers before memory_layer has defined MemoryLayer)."""
+    return name == "transformers" or name.startswith(("transformers.", f"{__name__}."))
 
 
 def _ready() -> bool:
@@ -88,7 +91,7 @@ def _ready() -> bool:
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for transformers' modules and this package's model files it lets the other finders find
+    """Finds nothing itself: for transformers' modules and this package's modules it lets the other finders find
     them and wraps the loader, to register MemoryFormer once the outermost of those imports has finished (not
     earlier: the model files import transformers modules that may still be half-initialized until then)."""
 

@@ -41,7 +41,9 @@ from .transformers_compat import (
     cache_argument,
     causal_mask,
     check_keywords,
+    deprecated_cache_name,
     slice_logits_to_keep,
+    update_kv_cache,
     with_cache,
 )
 
@@ -205,7 +207,7 @@ class MemoryFormerAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+        hidden_shape = (*input_shape, self.config.num_attention_heads, self.head_dim)  # explicit: a batch may be empty
 
         qkv = self.query_key_value(hidden_states)  # [batch, seq, 3 * hidden]
         query_states, key_states, value_states = (
@@ -218,11 +220,11 @@ class MemoryFormerAttention(nn.Module):
         else:  # inference: rotate inside the fresh Q/K/V output instead of building new tensors
             query_states, key_states = apply_rotary_pos_emb_(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
+        )
+        key_states, value_states = update_kv_cache(
+            past_key_values, key_states, value_states, self.layer_idx, attention_interface, kwargs
         )
         attn_output, attn_weights = attention_interface(
             self,
@@ -234,7 +236,7 @@ class MemoryFormerAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # [batch, seq, hidden]
+        attn_output = attn_output.reshape(*input_shape, self.config.hidden_size).contiguous()  # [batch, seq, hidden]
         if self.dense is not None:
             attn_output = self.dense(attn_output)
         return attn_output, attn_weights
@@ -308,37 +310,50 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
 
 
 class CheckpointMismatchError(ValueError):
-    """`from_pretrained` found a checkpoint that does not hold exactly the tensors the model needs."""
+    """`from_pretrained` found tensors that cannot be this model's storage: int8 values without their scales, or int8
+    storage in config.json over float tensors in the file (or the reverse)."""
+
+
+# The int8 storage (quantization.py) of a Memory Layer's tables and of the LM head, by the float tensor it replaces.
+INT8_PARTS = {"tables": ("tables_codes", "tables_scale", "tables_offset"), "weight": ("weight_int8", "weight_scale")}
+_OPTION = {"tables": ("table_dtype", "tables", "quantize_tables"),  # the config option, the part, its quantiser
+           "weight": ("lm_head_dtype", "LM head", "quantize_lm_head")}
 
 
 def check_loaded_exactly(model: nn.Module, info: dict, source) -> None:
-    """Raise if `from_pretrained` left a tensor of `model` unloaded or found tensors the model has no place for (but
-    the LM head of a causal-LM checkpoint loaded into the head-less `MemoryFormerModel`)."""
-    missing = sorted(info.get("missing_keys") or ())
-    headless = not hasattr(model, "lm_head")
-    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not (headless and k.startswith("lm_head.")))
-    if not missing and not unexpected:
+    """Raise where the checkpoint cannot fill what only this model has: int8 values without their scales (NaN or
+    garbage logits), or tables / an LM head stored otherwise (int8 or float) than config.json says. The rest follows
+    transformers' convention: a tensor the checkpoint lacks (the LM head of a base-model checkpoint, ...) is initialised
+    by `_init_weights`, tied where the config ties it, and reported in `missing_keys` and transformers' load report; a
+    tensor the model has no place for is reported in `unexpected_keys`."""
+    missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
+    loaded, named, fixes = set(model.state_dict()) - missing, set(), []
+    for prefix in {key.rpartition(".")[0] + "." for key in missing}:
+        for float_name, parts in INT8_PARTS.items():
+            option, what, quantize = _OPTION[float_name]
+            absent = {prefix + p for p in parts if prefix + p in missing}
+            if absent and any(prefix + p in loaded for p in parts):
+                named |= absent
+                fixes.append("int8 values are unusable without their scales: the file is damaged or incomplete.")
+            elif absent and prefix + float_name in unexpected:
+                named |= {*absent, prefix + float_name}
+                fixes.append(f"config.json says {option}='int8' but the file holds float {what}: set {option} to "
+                             f"null in config.json (and quantise after loading with model.{quantize}('int8') if you "
+                             "want int8).")
+            elif prefix + float_name in missing and (foreign := {prefix + p for p in parts} & unexpected):
+                named |= {prefix + float_name, *foreign}
+                fixes.append(f"the file holds int8 {what} but config.json does not say {option}='int8': set it there.")
+    if not fixes:
         return
 
     def names(keys: list[str]) -> str:
         return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
-    int8_parts = (".tables_codes", ".tables_scale", ".tables_offset")
-    if any(k.endswith(int8_parts) for k in missing) and any(k.endswith(".tables") for k in unexpected):
-        hint = ("config.json says table_dtype='int8' but the file holds float tables: set table_dtype to null in "
-                "config.json (and quantise after loading with model.quantize_tables('int8') if you want int8).")
-    elif any(k.endswith(".tables") for k in missing) and any(k.endswith(int8_parts) for k in unexpected):
-        hint = "the file holds int8 tables but config.json does not say table_dtype='int8': set it in config.json."
-    else:
-        hint = ("The file is incomplete or was saved from another configuration, so the model is refused (transformers "
-                "alone would fill the missing tensors with random values). To start from part of it on purpose, build "
-                "the model from its config and call model.load_state_dict(tensors, strict=False) yourself.")
-    parts = [f"{len(missing)} missing ({names(missing)})" if missing else "",
-             f"{len(unexpected)} it has no place for ({names(unexpected)})" if unexpected else ""]
-    raise CheckpointMismatchError(
-        f"The checkpoint at {source} does not match this {type(model).__name__}: tensors "
-        f"{' and '.join(p for p in parts if p)}. {hint}"
-    )
+    absent, foreign = sorted(named & missing), sorted(named & unexpected)
+    parts = [f"{len(absent)} missing ({names(absent)})" if absent else "",
+             f"{len(foreign)} it has no place for ({names(foreign)})" if foreign else ""]
+    raise CheckpointMismatchError(f"The checkpoint at {source} does not match this {type(model).__name__}: tensors "
+                                  f"{' and '.join(p for p in parts if p)}. {' '.join(sorted(set(fixes)))}")
 
 
 class MemoryFormerLMHead(nn.Linear):
@@ -382,9 +397,9 @@ class MemoryFormerPreTrainedModel(TableStorageMixin, PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`, refusing a checkpoint that does not hold exactly the tensors this model
-        needs: transformers only logs a warning and leaves the missing ones at random values (NaN logits for int8
-        tables without their scales). `output_loading_info=True` still returns the loading report."""
+        """transformers' `from_pretrained` (a missing tensor is initialised and reported, as transformers does),
+        refusing int8 values without their scales and a table / LM head storage other than config.json's
+        (`check_loaded_exactly`). `output_loading_info=True` still returns the loading report."""
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         check_loaded_exactly(model, info, pretrained_model_name_or_path)
@@ -414,6 +429,12 @@ class MemoryFormerPreTrainedModel(TableStorageMixin, PreTrainedModel):
                 init.normal_(module.bias, mean=0.0, std=0.001)
             elif module.bias is not None:
                 init.zeros_(module.bias)
+        elif isinstance(module, Int8LMHead) and module.weight_int8.device.type != "meta" and not getattr(
+            module.weight_int8, "_is_hf_initialized", False
+        ):  # an int8 head missing from the checkpoint: the int8 rounding of an N(0, initializer_range) head
+            weight = torch.empty(module.weight_int8.shape, device=module.weight_int8.device)
+            fresh = Int8LMHead.from_weight(weight.normal_(std=self.config.initializer_range))
+            module.weight_int8.copy_(fresh.weight_int8), module.weight_scale.copy_(fresh.weight_scale)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # A model sharded by FSDP2 has a class made at run time in torch's module (FSDPMemoryFormerForCausalLM): it is
@@ -491,6 +512,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
                 "cached tokens first. Pass the mask the tokenizer returned with these ids."
             )
 
+    @deprecated_cache_name
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -506,18 +528,18 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         r"""past_key_values / cache: the KV cache, under either name (transformers 5.24 renamed `past_key_values` to
         `cache`); the output holds it under the running release's name."""
-        check_keywords(MemoryFormerModel.forward, kwargs, self._attention_function())
         past_key_values = cache_argument(past_key_values, cache)
+        check_keywords(MemoryFormerModel.forward, kwargs, self._attention_function(), past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
             self._check_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)  # [batch, seq, hidden]
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
             raise ValueError(
                 f"The input holds no tokens to run: {'input_ids' if input_ids is not None else 'inputs_embeds'} has "
-                f"shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}; pass at least one token "
-                "per sequence, as [batch, seq_len] ids or [batch, seq_len, hidden_size] embeddings."
+                f"shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}; pass at least one "
+                "sequence of at least one token, as [batch, seq_len] ids or [batch, seq_len, hidden_size] embeddings."
             )
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -565,6 +587,7 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @deprecated_cache_name
     @can_return_tuple
     def forward(
         self,
@@ -588,12 +611,13 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         `loss_function` keep the full-logits path.
 
         past_key_values / cache: the KV cache, under either name (see `MemoryFormerModel.forward`)."""
-        check_keywords(MemoryFormerForCausalLM.forward, kwargs, self._attention_function())
+        past_key_values = cache_argument(past_key_values, cache)
+        check_keywords(MemoryFormerForCausalLM.forward, kwargs, self._attention_function(), past_key_values)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache_argument(past_key_values, cache),
+            cache=past_key_values,  # the name that is current (or still taken) under every release
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,

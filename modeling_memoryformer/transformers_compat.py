@@ -12,11 +12,19 @@ running release's own interfaces.
 - Keywords: what a forward does not understand is an error naming it (`check_keywords`), never a silent no-op: when
   the next release renames an argument again, generation fails loudly instead of recomputing from an empty cache.
   (Other keywords reach a user-registered attention function, as transformers' attention interface promises.)
+- Continuous batching (`generate_batch`, `transformers serve --continuous-batching`) calls the model with a paged KV
+  cache (`PagedAttentionCache`, as `cache=`) and the keywords of the running release's `PagedAttentionArgs`
+  (`read_index`, `write_index`, `block_table`, ...), which are accepted in such a call (`PAGED_KEYWORDS`). Who writes
+  the new keys and values into the paged cache moved: up to 5.23 the attention function does (it takes the cache in
+  its keywords), from 5.24 the model does (`cache.update(..., kwargs=kwargs)`). `update_kv_cache` asks the attention
+  function in use, once, which it does (`_attention_updates_paged_cache`).
 """
 
 import dataclasses
+import functools
 import inspect
 
+import torch
 from transformers import modeling_utils
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -36,6 +44,72 @@ ACCEPTED_KEYWORDS = _TRANSFORMERS_KEYWORDS | {
     "output_attentions", "output_hidden_states", "return_dict", "is_causal", "debug_io", "debug_io_dir",
     "prune_layers", "num_items_in_batch", "ignore_index", "shift_labels",
 }
+
+
+# Continuous batching: its paged cache class and the keywords its model calls carry (absent from a release without it).
+try:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+except ImportError:  # pragma: no cover - every supported release has it; a future one may move it
+    PagedAttentionCache = None
+try:
+    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+
+    PAGED_KEYWORDS = frozenset(getattr(PagedAttentionArgs, "__optional_keys__", ()) | PagedAttentionArgs.__annotations__.keys())
+except ImportError:  # pragma: no cover
+    PAGED_KEYWORDS = frozenset()
+
+
+def is_paged_cache(cache) -> bool:
+    """Whether `cache` is continuous batching's paged KV cache (not a `Cache`: it is written through the keywords of
+    the call, `read_index` / `write_index` / `block_table`)."""
+    return PagedAttentionCache is not None and isinstance(cache, PagedAttentionCache)
+
+
+class _CacheUpdated(Exception):
+    pass
+
+
+@functools.cache
+def _attention_updates_paged_cache(attention) -> bool:
+    """Whether the attention function `attention` writes a paged cache handed to it as `cache=` (transformers up to
+    5.23) rather than expecting the model to have done it (from 5.24). Read from the function itself: it is called once
+    on a tiny input with a paged cache whose `update` stops the call."""
+    if PagedAttentionCache is None:
+        return False
+
+    class Probe(PagedAttentionCache):
+        def __init__(self):  # no storage: only `update` is called
+            pass
+
+        def update(self, *args, **kwargs):
+            raise _CacheUpdated
+
+    module = torch.nn.Module()
+    module.layer_idx, module.is_causal = 0, False
+    q = torch.zeros(1, 1, 1, 8)
+    index = [torch.zeros(1, dtype=torch.long)]
+    try:
+        attention(module, q, q, q, None, scaling=1.0, dropout=0.0, cache=Probe(), read_index=index, write_index=index,
+                  cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=1, max_length_k=1)
+    except _CacheUpdated:
+        return True
+    except Exception:  # an attention function that needs the real varlen inputs: it was not going to write the cache
+        return False
+    return False
+
+
+def update_kv_cache(cache, key, value, layer_idx: int, attention, kwargs: dict):
+    """The keys and values attention reads after this layer's new ones are in `cache` (None: no cache). For a paged
+    cache, either writes it the way the running release's model does, or hands it on in `kwargs` (updated in place) to
+    the attention function `attention` that writes it."""
+    if cache is None:
+        return key, value
+    if not is_paged_cache(cache):
+        return cache.update(key, value, layer_idx)
+    if _attention_updates_paged_cache(attention):
+        kwargs["cache"] = cache
+        return key, value
+    return cache.update(key, value, layer_idx, kwargs=kwargs)
 
 
 def cache_argument(past_key_values, cache):
@@ -64,15 +138,19 @@ def with_cache(output_class, cache, **fields):
 _RESULT_WORDS = ("cache", "past", "key_value", "mask", "position", "state")
 
 
-def check_keywords(forward, kwargs: dict, attention) -> None:
+def check_keywords(forward, kwargs: dict, attention, cache=None) -> None:
     """Refuse keywords that `forward` would swallow in its `**kwargs` without effect.
+
+    cache: the KV cache of the call; with continuous batching's paged cache, the keywords of the running release's
+    `PagedAttentionArgs` are accepted too (they reach the attention function and the cache update).
 
     attention: the attention function in use. The forwards pass their extra keywords on to it, as transformers'
     attention interface does: a function registered by the user (`AttentionInterface.register`) may read them, but
     transformers' own and the model's `eager_attention_forward` (pass None for it) ignore them. Cache-, mask-,
     position- and state-like keywords are refused whatever the backend: the model reads those itself.
     """
-    unknown = [key for key in kwargs if key not in ACCEPTED_KEYWORDS]
+    accepted = ACCEPTED_KEYWORDS | PAGED_KEYWORDS if is_paged_cache(cache) else ACCEPTED_KEYWORDS
+    unknown = [key for key in kwargs if key not in accepted]
     if not unknown:
         return
     module = getattr(attention, "__module__", None) or ""
@@ -95,3 +173,30 @@ def _slice_logits_to_keep(hidden_states, logits_to_keep):
 
 
 slice_logits_to_keep = getattr(modeling_utils, "slice_logits_to_keep", _slice_logits_to_keep)
+
+
+# The old cache name, deprecated where `cache` is the current one (from 5.24): transformers' own `deprecate_kwarg`, as
+# its in-tree models use it (`@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`), so `past_key_values=`
+# warns with transformers' message and arrives as `cache`. Both names at once are left to `cache_argument` (the same
+# object is fine, two caches are an error). Where `past_key_values` is the current name (up to 5.23) the forwards are
+# left as they are: nothing to warn about.
+from functools import wraps as _wraps
+
+from transformers.utils.deprecation import deprecate_kwarg as _deprecate_kwarg
+
+
+def deprecated_cache_name(forward):
+    """Decorator for the model forwards: `past_key_values=` warns that it is deprecated in favour of `cache=` when the
+    running release names the cache `cache` (CACHE_FIELD), and is the forward itself otherwise."""
+    if CACHE_FIELD != "cache":
+        return forward
+    # warn_if_greater_or_equal_version: the model keeps taking the old name, so it keeps saying it is deprecated
+    renamed = _deprecate_kwarg("past_key_values", "5.40.0", new_name="cache", warn_if_greater_or_equal_version=True)(
+        forward
+    )
+
+    @_wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs) if "cache" in kwargs else renamed(*args, **kwargs)
+
+    return wrapper

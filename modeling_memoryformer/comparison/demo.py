@@ -8,9 +8,15 @@ and for the pair: `summary.json`, `report.md` (the table the command also prints
 
 The paper's claim is about models that see each token once, so the report says how many epochs the run took (the
 default run: about 0.12) and gives each model's final training loss beside its validation loss. Speed is measured
-after training and apart from it, both models alternated (`comparison.speed`), with the load of the machine beside
-it; the report gives the equal-token view (perplexity after the same tokens) and the equal-time view (perplexity
-after the same seconds of training at the measured speeds).
+after training and apart from it, both models alternated (`comparison.speed`); the report gives the equal-token view
+(perplexity after the same tokens) and the equal-time view (perplexity after the same seconds of training at the
+measured speeds).
+
+Every timing depends on the machine and on what else runs on it; the perplexities do not. The CPU other processes
+used is recorded for each phase of the run (`evaluation.cpu_load.LoadMeter`: setup, training steps, evaluation,
+speed rows, the rest), and the report flags each phase they slowed, saying which of its figures that makes
+untrustworthy. The time estimate is made once the kernel is built and the data tokenised, from a calibration of both
+models then, for a machine as busy as during the calibration, and re-taken after the first model has trained.
 
 With no data given it runs on the embedded default (`training.data.embedded_default_documents`: the Python standard
 library's source and documentation, about 3.4 M tokens, held-out files for validation, a byte-level BPE tokenizer
@@ -154,7 +160,7 @@ def plot_loss_curves(curves: dict[str, dict[str, list]], path: str, title: str,
     return path
 
 
-def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_rate: float):
+def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_rate: float, callbacks=()):
     from ..training.trainer import TrainingSettings, train
 
     run = TrainingSettings(
@@ -169,7 +175,24 @@ def _train_one(output_dir: str, model, data, settings: DemoSettings, learning_ra
     )
     print(f"\n== training {os.path.basename(output_dir)}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
           f"lr {learning_rate:g}, {settings.max_steps} steps x {settings.batch_size} x {settings.block_size} tokens")
-    return train(model, data, run)
+    return train(model, data, run, callbacks=callbacks)
+
+
+def _step_load_callback(steps, between):
+    """A TrainerCallback that adds the training steps to the LoadMeter `steps` and the time between them
+    (evaluations, logging, saving) to `between`."""
+    from transformers import TrainerCallback
+
+    class StepLoad(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            between.stop()
+            steps.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.stop()
+            between.start()
+
+    return StepLoad()
 
 
 def _out_of_domain_blocks(settings: DemoSettings, tokenizer) -> torch.Tensor | None:
@@ -186,10 +209,14 @@ def _out_of_domain_blocks(settings: DemoSettings, tokenizer) -> torch.Tensor | N
     return blocks
 
 
-def estimate_seconds(models: dict, data, settings: DemoSettings) -> dict[str, float]:
-    """How long the demo will take on this machine, from a short calibration of each model (a warm-up and two
-    training steps on a copy, two evaluation forwards, a short generation): seconds of training, evaluation, the
-    speed measurement and the rest (saving, bucket statistics, samples)."""
+ESTIMATE_PARTS = ("training", "evaluation", "speed measurement", "other")
+FIXED_OTHER_SECONDS = 10.0  # saving the models, plots, the report: about this on 2 cores, whatever the model
+
+
+def model_estimates(models: dict, data, settings: DemoSettings) -> dict[str, dict[str, float]]:
+    """How long each model's part of the demo will take on this machine as it is now, from a short calibration (a
+    warm-up and two training steps on a copy, two evaluation forwards, a short generation): {name: seconds of
+    training, evaluation, its share of the speed measurement, and the rest (bucket statistics, samples)}."""
     import torch
 
     from .speed import greedy_decode, training_step
@@ -197,19 +224,52 @@ def estimate_seconds(models: dict, data, settings: DemoSettings) -> dict[str, fl
     batch = data.train.input_ids[: settings.batch_size]
     prompt = data.validation.input_ids[:1, : settings.prompt_tokens]
     evaluation_batches = math.ceil(len(data.validation) / settings.batch_size)
-    parts = {"training": 0.0, "evaluation": 0.0, "speed measurement": 0.0, "other": 10.0}
-    for model in models.values():
+    estimates = {}
+    for name, model in models.items():
         step_seconds = _seconds_per_call(training_step(model, batch), calls=2)  # the copy is freed on return
         model.eval()
         with torch.inference_mode():
             forward_seconds = _seconds_per_call(functools.partial(model, input_ids=batch))
         token_seconds = _seconds_per_call(greedy_decode(model, prompt, 8)) / 8
         model.train()
-        parts["training"] += settings.max_steps * step_seconds
-        parts["evaluation"] += settings.eval_points * evaluation_batches * forward_seconds
-        parts["speed measurement"] += (settings.speed_rounds + 1) * (step_seconds + settings.decode_tokens * token_seconds)
-        parts["other"] += evaluation_batches * forward_seconds + settings.decode_tokens * token_seconds  # buckets, samples
+        estimates[name] = {
+            "training": settings.max_steps * step_seconds,
+            "evaluation": settings.eval_points * evaluation_batches * forward_seconds,
+            "speed measurement": (settings.speed_rounds + 1) * (step_seconds + settings.decode_tokens * token_seconds),
+            "other": evaluation_batches * forward_seconds + settings.decode_tokens * token_seconds,  # buckets, samples
+        }
+    return estimates
+
+
+def estimate_seconds(models: dict, data, settings: DemoSettings) -> dict[str, float]:
+    """How long the demo will take on this machine as it is now (`model_estimates` of both models summed): seconds of
+    training, evaluation, the speed measurement and the rest (saving, bucket statistics, samples)."""
+    return _sum_parts(model_estimates(models, data, settings).values())
+
+
+def _sum_parts(estimates) -> dict[str, float]:
+    parts = dict.fromkeys(ESTIMATE_PARTS, 0.0)
+    parts["other"] = FIXED_OTHER_SECONDS
+    for estimate in estimates:
+        for part in ESTIMATE_PARTS:
+            parts[part] += estimate[part]
     return parts
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _assumed_load(calibration: dict) -> str:
+    """What the estimate assumes about the machine: the load it was calibrated under."""
+    cores = calibration["other_cores"]
+    if cores is None:
+        return "for the machine as it was during the calibration (its load is unknown here: no /proc/stat)"
+    if calibration["busy"]:
+        return (f"for a machine as busy as during the calibration (other processes used {cores:.2f} cores): "
+                "shorter if they stop, longer if more start")
+    return (f"for a quiet machine, as during the calibration (other processes used {cores:.2f} cores): other jobs "
+            "starting meanwhile make it longer, and the report says which phases they slowed")
 
 
 def _seconds_per_call(fn, calls: int = 1) -> float:
@@ -232,12 +292,15 @@ def run_demo(settings: DemoSettings) -> dict:
     if settings.speed_rounds < 1:
         raise ValueError(f"speed_rounds must be >= 1, got {settings.speed_rounds}.")
     print(f"memoryformer demo: a MemoryFormer and its Pythia-shaped twin, {settings.max_steps} steps x "
-          f"{settings.batch_size} x {settings.block_size} tokens each, then a speed measurement of both. The time it "
-          "will take on this machine is printed after the data is ready and a short calibration.", flush=True)
+          f"{settings.batch_size} x {settings.block_size} tokens each, then a speed measurement of both. First the "
+          "Memory Layer kernel (compiled on the first run of an installation, loaded from its cache after) and the "
+          "data (a tokenizer trained, the text tokenised); the time the rest will take on this machine is printed "
+          "after them, from a short calibration of both models.", flush=True)
     with staged_folder(settings.out, settings.overwrite) as work:
         summary = _run_demo(settings, work)
     print("\n" + format_report(summary))
-    print(f"Report folder: {settings.out} (report.md, summary.json, loss_curves.png, buckets.png, samples.md)")
+    print(f"Report folder: {settings.out} (report.md, summary.json, loss_curves.png, buckets.png, bucket_stats.json, "
+          "samples.md, and the two trained models in memoryformer/ and pythia-twin/)")
     return summary
 
 
@@ -246,6 +309,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     from transformers import set_seed
 
     from ..evaluation.buckets import collect_bucket_stats, plot_bucket_histograms
+    from ..evaluation.cpu_load import NOISY_CORES, LoadMeter
     from ..evaluation.flops import per_block_flops, pythia_block_flops
     from ..evaluation.kernel_report import run_facts
     from ..evaluation.perplexity import blocks_perplexity
@@ -255,13 +319,23 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     from .speed import measure_speed
     from .twin import pythia_twin
 
+    # Other processes' CPU, phase by phase (see format_report): the setup, each model's training steps and the time
+    # between them (evaluations, saving), the speed rows, and the rest (samples, bucket statistics, plots).
+    meters = {"setup": LoadMeter(), "speed": LoadMeter(), "rest": LoadMeter(), "calibration": LoadMeter()}
+    meters["setup"].start()
     start = time.perf_counter()
     facts = run_facts()  # loads (builds) the Memory Layer kernel before anything is trained or timed
+    kernel_seconds = time.perf_counter() - start
+    print(f"Memory Layer kernel: {facts['memory_layer_kernel']}, ready in {kernel_seconds:.1f} s (a first run on this "
+          "installation compiles it; later runs load it from the cache)", flush=True)
+    data_start = time.perf_counter()
     data = build_lm_data(settings.data, settings.tokenizer, block_size=settings.block_size,
                          vocab_size=settings.vocab_size, text_column=settings.text_column,
                          progress=settings.progress)
     tokenizer = data.tokenizer
     ood_blocks = _out_of_domain_blocks(settings, tokenizer)
+    data_seconds = time.perf_counter() - data_start
+    print(f"Data ready in {data_seconds:.1f} s (tokenizer and tokenised text).", flush=True)
     mf_config = memoryformer_config_for(settings, tokenizer)
     set_seed(settings.seed)
     models = {"MemoryFormer": MemoryFormerForCausalLM(mf_config)}
@@ -280,18 +354,43 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
     seq = settings.block_size
     flops = {"MemoryFormer": per_block_flops(mf_config, seq), "Pythia twin": pythia_block_flops(mf_config, seq)}
 
-    estimate = estimate_seconds(models, data, settings)
+    # The estimate: from a calibration taken now, after the kernel and the data, under the machine's present load.
+    calibration_start = time.perf_counter()
+    with meters["calibration"].measure():
+        estimates = model_estimates(models, data, settings)
+    calibration_seconds = time.perf_counter() - calibration_start
+    calibration = meters["calibration"].summary()
+    estimate = _sum_parts(estimates.values())
     set_seed(settings.seed)  # the calibration drew no random numbers the training uses, but start from the seed
+    meters["setup"].stop()
     elapsed = time.perf_counter() - start
-    print(f"\nEstimated time on this machine: about {(elapsed + sum(estimate.values())) / 60:.0f} min in all "
-          f"({', '.join(f'{name} {seconds:.0f} s' for name, seconds in estimate.items())}, "
-          f"{elapsed:.0f} s spent on the kernel and the data). "
+    print(f"\nEstimated time from here on this machine: about {_minutes(sum(estimate.values()))} "
+          f"({', '.join(f'{name} {seconds:.0f} s' for name, seconds in estimate.items())}), "
+          f"{_assumed_load(calibration)}. {elapsed:.0f} s spent so far: kernel {kernel_seconds:.0f} s, data "
+          f"{data_seconds:.0f} s, calibration {calibration_seconds:.0f} s. "
           f"Data: {budget:,} training tokens per model of {data.num_train_tokens:,} ({epochs:.2f} epochs"
           f"{'' if epochs <= 1 else ': THE DATA REPEATS'}).", flush=True)
 
-    results, curves = {}, {}
-    for name, model in models.items():
-        result = _train_one(os.path.join(work, folders[name]), model, data, settings, rates[name])
+    results, curves, steps_load, between_load, reestimate = {}, {}, {}, {}, None
+    for index, (name, model) in enumerate(models.items()):
+        steps_load[name], between_load[name] = LoadMeter(), LoadMeter()
+        between_load[name].start()
+        result = _train_one(os.path.join(work, folders[name]), model, data, settings, rates[name],
+                            callbacks=[_step_load_callback(steps_load[name], between_load[name])])
+        between_load[name].stop()
+        meters["rest"].start()
+        print(_training_done_line(name, result, estimates[name], steps_load[name].summary()), flush=True)
+        later = list(models)[index + 1:]
+        if later:  # re-taken from this model's measured pace: the calibration's error, or the load since, scaled in
+            pace = (result.train_seconds + result.eval_seconds) / max(
+                1e-9, estimates[name]["training"] + estimates[name]["evaluation"])
+            rest = _sum_parts([estimates[other] for other in later]
+                              + [{part: estimates[name][part] for part in ("speed measurement", "other")}
+                                 | {"training": 0.0, "evaluation": 0.0}])
+            reestimate = {"after": name, "pace": pace, "remaining_seconds": pace * sum(rest.values()),
+                          "at_seconds": time.perf_counter() - start}
+            print(f"Estimate re-taken at {name}'s pace ({pace:.2f}x the calibration's): about "
+                  f"{_minutes(reestimate['remaining_seconds'])} to go.", flush=True)
         model.eval()
         curves[name] = loss_curves(result.log_history, tokens_per_step)
         train_loss = final_training_loss(curves[name])
@@ -312,12 +411,15 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
         }
         if ood_blocks is not None:
             results[name]["eval_text_perplexity"] = blocks_perplexity(model, ood_blocks, batch_size=settings.batch_size)
+        meters["rest"].stop()
 
     print(f"\n== speed, apart from training: {settings.speed_rounds} rounds, both models alternated", flush=True)
     speed_start = time.perf_counter()
-    speed = measure_speed(models, data.train.input_ids[: settings.batch_size], prompt, settings.decode_tokens,
-                          rounds=settings.speed_rounds, progress=settings.progress)
+    with meters["speed"].measure():
+        speed = measure_speed(models, data.train.input_ids[: settings.batch_size], prompt, settings.decode_tokens,
+                              rounds=settings.speed_rounds, progress=settings.progress)
     speed_seconds = time.perf_counter() - speed_start
+    meters["rest"].start()
     for name, r in results.items():
         r["train_tokens_per_second"] = speed["models"][name]["train"]["tokens_per_second"]
         r["decode_tokens_per_second"] = speed["models"][name]["decode"]["tokens_per_second"]
@@ -332,9 +434,29 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
                      title=textwrap.fill(data.description, 160) + f"\n{budget:,} tokens each ({epochs:.2f} epochs), "
                            f"MemoryFormer at {rates['MemoryFormer'] / twin_lr:g}x the twin's learning rate")
     entropies = stats.normalised_entropy()
+    meters["rest"].stop()
     total = time.perf_counter() - start
     training = sum(r["train_seconds"] for r in results.values())
     evaluation = sum(r["eval_seconds"] for r in results.values())
+    phases = {
+        "setup": meters["setup"],
+        "training": LoadMeter.combined(steps_load.values()),
+        "evaluation": LoadMeter.combined(between_load.values()),
+        "speed": meters["speed"],
+        "rest": meters["rest"],
+    }
+    load = {
+        "threshold": NOISY_CORES,
+        "window_seconds": meters["setup"].window_seconds,
+        "whole_run": LoadMeter.combined(phases.values()).summary(),
+        "phases": {phase: meter.summary() for phase, meter in phases.items()},
+        "training_by_model": {name: meter.summary() for name, meter in steps_load.items()},
+        "evaluation_by_model": {name: meter.summary() for name, meter in between_load.items()},
+        "calibration": calibration,
+    }
+    if speed["busy"]:  # the timings' own verdict (the busiest model-workload) flags the speed rows too
+        load["phases"]["speed"]["busy"] = True
+    load["busy_phases"] = [phase for phase, figures in load["phases"].items() if figures["busy"]]
     summary = {
         "settings": asdict(settings),
         "data": data.description,
@@ -352,11 +474,16 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
                            "tables": len(entropies)},
         "memoryformer_config": mf_config.to_dict(),
         "run": facts,  # the kernel that ran, the CPU and its vector features, versions, the kernel build/load time
+        "load": load,  # other processes' CPU in each phase of the run, and which phases they slowed
         # where the time went, both models together; "other": data and tokenizer, kernel build, calibration,
         # checkpoints and saves, samples, bucket statistics, plots
         "time": {"total_seconds": total, "training_seconds": training, "evaluation_seconds": evaluation,
                  "speed_seconds": speed_seconds, "other_seconds": total - training - evaluation - speed_seconds,
-                 "estimated_seconds": elapsed + sum(estimate.values())},
+                 "kernel_seconds": kernel_seconds, "data_seconds": data_seconds,
+                 "calibration_seconds": calibration_seconds,
+                 # made `estimate_made_at_seconds` into the run, for the load of the calibration
+                 "estimated_seconds": elapsed + sum(estimate.values()), "estimate_made_at_seconds": elapsed,
+                 "estimate": estimate, "reestimate": reestimate},
     }
     with open(os.path.join(work, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
@@ -367,6 +494,16 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
         for name, r in results.items():
             f.write(f"## {name}\n\nPrompt: {summary['prompt']!r}\n\n```\n{r['sample']}\n```\n\n")
     return summary
+
+
+def _training_done_line(name: str, result, estimate: dict[str, float], load: dict) -> str:
+    """What a model's training took against its estimate, and, when other processes slowed it, that."""
+    line = (f"{name}: {result.train_seconds:.0f} s of training steps and {result.eval_seconds:.0f} s of evaluation "
+            f"(estimated {estimate['training']:.0f} s and {estimate['evaluation']:.0f} s).")
+    if load["busy"]:
+        line += (f" BUSY: other processes used {load['other_cores']:.2f} cores on average during its steps: its "
+                 "training throughput is not the machine's.")
+    return line
 
 
 def _data_line(summary: dict) -> str:
@@ -383,17 +520,81 @@ def _data_line(summary: dict) -> str:
             f"length {settings['block_size']}.")
 
 
+# The phases of a run whose load the report states (summary["load"]["phases"]), what each is, and which figures of
+# the report other processes' work during it makes wrong.
+PHASES = {
+    "setup": ("the setup (kernel, data, calibration)", "the setup time and the time estimate (calibrated under this "
+                                                       "load) are not the machine's"),
+    "training": ("training", "training throughput (the 'during the run' rows) and training times are not the "
+                             "machine's"),
+    "evaluation": ("evaluation (between the training steps)", "the evaluation times are not the machine's"),
+    "speed": ("the speed rows", "the speed rows and the equal-time view are not the machine's"),
+    "rest": ("the rest (samples, bucket statistics, plots)", "the total time is longer than the machine's"),
+}
+# Which rows of the table each phase's load bears on (their labels get a BUSY mark when it was busy).
+ROW_PHASES = {"train_tokens_per_second": "speed", "decode_tokens_per_second": "speed",
+              "train_loop_tokens_per_second": "training", "training time (steps only)": "training",
+              "evaluation time": "evaluation"}
+
+
+def _rerun_hint(summary: dict) -> str:
+    folder = summary["settings"].get("out", "memoryformer-demo")
+    return (f"rerun on a quiet machine, or time the saved models again with `python -m benchmarks.demo_bench "
+            f"--demo-folder {folder}`")
+
+
+def _load_lines(summary: dict) -> list[str]:
+    """The load of the machine over the whole run, phase by phase, with a BUSY verdict for each phase other
+    processes slowed and what that makes untrustworthy (empty for a summary written before loads were recorded)."""
+    load = summary.get("load")
+    if not load:
+        return []
+    head = (f"Load of the machine over the whole run (CPU used by other processes, from /proc/stat; a phase is "
+            f"busy above {load['threshold']:g} cores on average; perplexities, losses and FLOPs do not depend "
+            "on it, every time and speed does): ")
+    phases, whole, window = load["phases"], load["whole_run"], load["window_seconds"]
+    if whole["other_cores"] is None:
+        return [head + "unknown here (no /proc/stat): the timings may include other processes' work."]
+    busy = [phase for phase in PHASES if phases.get(phase, {}).get("busy")]
+    quiet = [phase for phase in PHASES if phase in phases and phases[phase]["other_cores"] is not None
+             and not phases[phase]["busy"]]
+    if not busy:
+        each = ", ".join(f"{phase} {phases[phase]['other_cores']:.2f}" for phase in quiet)
+        return [head + f"quiet throughout: other processes used {whole['other_cores']:.2f} cores on average over "
+                       f"{whole['seconds']:.0f} s ({each}; {whole['max_other_cores']:.2f} in the busiest {window:g} s)."]
+    parts = []
+    for phase in busy:
+        figures = phases[phase]
+        what, consequence = PHASES[phase]
+        text = f"BUSY during {what}: other processes used {figures['other_cores']:.2f} cores on average"
+        if figures["seconds"] >= 2 * window and figures["max_other_cores"] is not None:
+            text += f", {figures['max_other_cores']:.2f} in its busiest {window:g} s"
+        by_model = load.get("training_by_model") if phase == "training" else None
+        if by_model:
+            text += " (" + ", ".join(f"{name} {m['other_cores']:.2f}" for name, m in by_model.items()
+                                     if m["other_cores"] is not None) + ")"
+        parts.append(f"{text}; {consequence}.")
+    if quiet:
+        names = [f"{PHASES[phase][0]} ({phases[phase]['other_cores']:.2f})" for phase in quiet]
+        parts.append("Quiet during " + (", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1] + ".")
+    if {"training", "speed"} & set(busy):
+        parts.append(f"For this machine's own figures, {_rerun_hint(summary)}.")
+    return [head + " ".join(parts)]
+
+
 def _speed_lines(summary: dict) -> list[str]:
     speed = summary["speed"]
     load = speed["other_cores"]
     if load is None:
-        state = "the load of the machine is unknown here (no /proc/stat)"
+        state = "the load of the machine during these timings is unknown here (no /proc/stat)"
     elif speed["busy"]:
-        state = (f"BUSY: other processes used {load:.2f} cores on average, {speed['max_other_cores']:.2f} at most "
-                 f"(above {speed['threshold']} cores); these speed rows are not trustworthy: rerun on a quiet machine")
+        state = (f"BUSY during these timings: other processes used {load:.2f} cores on average, "
+                 f"{speed['max_other_cores']:.2f} at most (above {speed['threshold']} cores); these speed rows are not "
+                 f"trustworthy: {_rerun_hint(summary)}")
     else:
-        state = (f"quiet: other processes used {load:.2f} cores on average, {speed['max_other_cores']:.2f} at most "
-                 f"(flagged above {speed['threshold']})")
+        state = (f"quiet during these timings: other processes used {load:.2f} cores on average, "
+                 f"{speed['max_other_cores']:.2f} at most (flagged above {speed['threshold']}"
+                 f"{'; the other phases: Load above' if summary.get('load') else ''})")
     stream = speed.get("memory_stream_gbps")
     if stream:
         state += (f"; memory streamed at {stream['median']:.0f} GB/s (median of a 128 MB sum per round, "
@@ -403,7 +604,8 @@ def _speed_lines(summary: dict) -> list[str]:
     lines = [f"Speed rows: measured after training and apart from it, {speed['rounds']} rounds with the models "
              f"alternated, medians (the spread is in summary.json); a training step is {batch[0]} x {batch[1]} tokens "
              f"with AdamW, decode is {decode['new_tokens']} greedy tokens after a {decode['prompt_tokens']}-token "
-             f"prompt (batch 1, KV cache). Machine {state}."]
+             f"prompt (batch 1, KV cache). They are measurements of this CPU, at its load: other CPUs give other "
+             f"ratios. Machine {state}."]
     same = summary["equal_time"]
     mf, twin = summary["models"]["MemoryFormer"], summary["models"]["Pythia twin"]
     lines += ["", f"Equal tokens: after {summary['train_tokens']:,} training tokens each, validation perplexity "
@@ -417,6 +619,30 @@ def _speed_lines(summary: dict) -> list[str]:
                      f"and reaches validation perplexity {math.exp(same['slower_loss']):.2f} (from its validation "
                      f"curve, mid-schedule), against {math.exp(same['faster_loss']):.2f}.")
     return lines
+
+
+def _time_line(summary: dict) -> str:
+    spent = summary["time"]
+    if "estimate_made_at_seconds" in spent:
+        calibration = summary.get("load", {}).get("calibration", {})
+        cores = calibration.get("other_cores")
+        assumed = ("" if cores is None else
+                   f", for the load during the calibration: other processes {cores:.2f} cores"
+                   f"{', BUSY' if calibration.get('busy') else ''}")
+        estimated = (f"estimated {spent['estimated_seconds']:.0f} s, {spent['estimate_made_at_seconds']:.0f} s in, "
+                     f"after the kernel and the data{assumed}")
+        setup = (f"; of the other: kernel {spent['kernel_seconds']:.0f} s, data and tokenizer "
+                 f"{spent['data_seconds']:.0f} s, calibration {spent['calibration_seconds']:.0f} s")
+        again = spent.get("reestimate")
+        if again:
+            estimated += (f"; re-taken after the {again['after']} trained, at {again['pace']:.2f}x the calibration's "
+                          f"pace: {again['at_seconds'] + again['remaining_seconds']:.0f} s")
+    else:  # a summary written before the estimate was made after the setup
+        estimated, setup = f"estimated at the start: {spent['estimated_seconds']:.0f} s", ""
+    return (f"Time on this machine: {spent['total_seconds']:.0f} s in all ({estimated}): training "
+            f"{spent['training_seconds']:.0f} s, evaluation {spent['evaluation_seconds']:.0f} s, speed measurement "
+            f"{spent['speed_seconds']:.0f} s, other {spent['other_seconds']:.0f} s (data and tokenizer, kernel, "
+            f"calibration, saving, samples, bucket statistics){setup}.")
 
 
 def format_report(summary: dict) -> str:
@@ -457,18 +683,16 @@ def format_report(summary: dict) -> str:
         "| | MemoryFormer | Pythia twin | MF / twin |",
         "|---|---|---|---|",
     ]
+    busy = set(summary.get("load", {}).get("busy_phases", ()))
     for label, key, fmt in rows:
         ratio = f"{mf[key] / twin[key]:.2f}x" if key else ""
+        if ROW_PHASES.get(key or label) in busy:
+            label += " (BUSY: see Load)"
         lines.append(f"| {label} | {fmt(mf)} | {fmt(twin)} | {ratio} |")
-    lines += ["", *_speed_lines(summary), "",
+    lines += ["", *(_load_lines(summary) + [""] if summary.get("load") else []), *_speed_lines(summary), "",
               f"One seed ({summary['settings']['seed']}); the spread over seeds of the perplexity ratio is measured by "
               "experiments/ablation.py (3 seeds per variant)."]
-    spent = summary["time"]
-    lines += ["", f"Time: {spent['total_seconds']:.0f} s in all (estimated at the start: "
-                  f"{spent['estimated_seconds']:.0f} s): training {spent['training_seconds']:.0f} s, evaluation "
-                  f"{spent['evaluation_seconds']:.0f} s, speed measurement {spent['speed_seconds']:.0f} s, other "
-                  f"{spent['other_seconds']:.0f} s (data and tokenizer, kernel, calibration, saving, samples, bucket "
-                  "statistics)."]
+    lines += ["", _time_line(summary)]
     entropy = summary["bucket_entropy"]
     lines += [
         "",

@@ -4,7 +4,8 @@ memory-stream probe for what /proc/stat cannot see.
 On a machine of a few cores, one busy core slows every parallel op of torch's thread pool, so a timing means little
 without the load beside it. Other processes' CPU = (busy jiffies of the whole machine, steal included) - (this
 process's own CPU time, children included). Standard library only at import (torch is imported by the probe); None or
-zeros where /proc/stat is missing.
+zeros where /proc/stat is missing. `LoadMeter` sums it over a phase of a longer run (the demo's training, evaluation
+and speed rows), so that a report can say which of its timings other processes slowed.
 """
 
 from __future__ import annotations
@@ -75,3 +76,96 @@ def memory_stream_gbps(repeats: int = 3) -> float:
         buffer.sum()
         best = min(best, time.perf_counter() - start)
     return round(buffer.numel() * buffer.element_size() / best / 1e9, 2)
+
+
+
+class LoadMeter:
+    """Other processes' CPU over one phase of a longer run (the demo's training, its evaluations, its speed rows):
+    the sum of the intervals between `start()` and `stop()` (or inside `with meter.measure():`), which may be many
+    (every training step of a model), and the load of each stretch of about `window_seconds` of measured time.
+
+    A phase's mean says whether its timings are the machine's; its busiest window says whether a burst hid in a quiet
+    mean. Without /proc/stat every figure is None."""
+
+    def __init__(self, window_seconds: float = 5.0):
+        self.window_seconds = window_seconds
+        self.wall_seconds = 0.0
+        self.other_cpu_seconds = 0.0
+        self.windows: list[float] = []  # cores other processes used in each complete window
+        self.known = True  # False once an interval could not be read (no /proc/stat)
+        self._window = (0.0, 0.0)  # wall, other CPU seconds of the window being filled
+        self._open = None
+
+    def start(self) -> None:
+        self._open = cpu_snapshot()
+        if self._open is None:
+            self.known = False
+
+    def stop(self) -> None:
+        """Ends the interval `start()` opened (nothing when none is open)."""
+        if self._open is None:
+            return
+        wall, other = other_cpu_since(self._open)
+        self._open = None
+        self.add(wall, other)
+
+    def add(self, wall: float, other: float) -> None:
+        """Adds an interval of `wall` seconds in which other processes used `other` CPU seconds."""
+        if wall <= 0:
+            return
+        self.wall_seconds += wall
+        self.other_cpu_seconds += other
+        wall, other = self._window[0] + wall, self._window[1] + other
+        if wall >= self.window_seconds:
+            self.windows.append(other / wall)
+            wall, other = 0.0, 0.0
+        self._window = (wall, other)
+
+    def measure(self):
+        """A context manager: `with meter.measure(): ...` adds the block's interval."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def interval():
+            self.start()
+            try:
+                yield self
+            finally:
+                self.stop()
+
+        return interval()
+
+    def _all_windows(self) -> list[float]:
+        """The complete windows, and the last, unfinished one when it is at least half a window long."""
+        wall, other = self._window
+        return self.windows + ([other / wall] if wall >= self.window_seconds / 2 else [])
+
+    @property
+    def other_cores(self) -> float | None:
+        """Mean number of cores other processes kept busy over the measured intervals (None: unknown or empty)."""
+        if not self.known or self.wall_seconds <= 0:
+            return None
+        return self.other_cpu_seconds / self.wall_seconds
+
+    def summary(self, threshold: float = NOISY_CORES) -> dict:
+        """{"seconds", "other_cores" (mean), "max_other_cores" (the busiest window; the mean when the phase was
+        shorter than half a window), "busy" (the mean above `threshold`; None when unknown), "threshold"}."""
+        mean = self.other_cores
+        if mean is None:
+            return {"seconds": round(self.wall_seconds, 3), "other_cores": None, "max_other_cores": None,
+                    "busy": None, "threshold": threshold}
+        busiest = max(self._all_windows(), default=mean)
+        return {"seconds": round(self.wall_seconds, 3), "other_cores": round(mean, 3),
+                "max_other_cores": round(busiest, 3), "busy": mean > threshold, "threshold": threshold}
+
+    @classmethod
+    def combined(cls, meters) -> LoadMeter:
+        """One meter holding the intervals of `meters` (e.g. the training steps of both models)."""
+        meters = list(meters)
+        total = cls(window_seconds=meters[0].window_seconds if meters else 5.0)
+        for meter in meters:
+            total.wall_seconds += meter.wall_seconds
+            total.other_cpu_seconds += meter.other_cpu_seconds
+            total.windows += meter._all_windows()
+            total.known = total.known and meter.known
+        return total

@@ -61,18 +61,23 @@ def test_a_malformed_gradient_pool_setting_is_an_error(monkeypatch):
     memory_backend_cpu._check_pool_setting()
 
 
-@pytest.mark.parametrize("shape", [(1, 0), (2, 0)])
+@pytest.mark.parametrize("shape", [(1, 0), (2, 0), (0, 5), (0, 0)])
 def test_an_input_without_tokens_is_a_clear_error(kernel, shape):
-    """[batch, 0] ids (and the embeddings of them) raise a ValueError naming the input and its shape, on both kernels,
-    instead of a reshape error from deep inside attention."""
+    """[batch, 0] ids, a batch of zero sequences [0, seq] (and the embeddings of them) raise a ValueError naming the
+    input and its shape, on both kernels and through generate, instead of a reshape error from deep inside attention."""
     from conftest import tiny_model
 
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"input_ids has shape \(\d, 0\); pass at least one token"):
-        model(torch.zeros(shape, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(\d, 0, 64\)"):
+    ids = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"input_ids has shape \({shape[0]}, {shape[1]}\); pass at least one sequence"):
+        model(ids)
+    with pytest.raises(ValueError, match=rf"inputs_embeds has shape \({shape[0]}, {shape[1]}, 64\)"):
         model(inputs_embeds=torch.zeros(*shape, 64))
-    assert model(torch.ones(shape[0], 1, dtype=torch.long)).logits.shape == (shape[0], 1, 128)
+    if shape[1]:  # generate itself refuses an empty prompt before the model runs
+        with pytest.raises(ValueError, match="pass at least one sequence"):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    batch = shape[0] or 1
+    assert model(torch.ones(batch, 1, dtype=torch.long)).logits.shape == (batch, 1, 128)
 
 
 def test_token_ids_outside_the_vocabulary_are_a_clear_error():

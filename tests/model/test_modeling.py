@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 from modeling_memoryformer import (
     MemoryBlock,
@@ -515,33 +517,64 @@ def test_from_pretrained_meta_loading_restores_parameters_and_rotary_buffers(tmp
     assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)
 
 
-def test_from_pretrained_refuses_a_checkpoint_missing_tensors(tmp_path):
-    """transformers alone would log a warning and fill the missing tensors with random values."""
-    model = tiny_model()
+def _load_with_report(model_class, path):
+    """`from_pretrained` with its loading info and the text of transformers' load report (logged as a warning)."""
+    with CaptureLogger(logging.get_logger("transformers.modeling_utils")) as log:
+        model, info = model_class.from_pretrained(path, output_loading_info=True)
+    return model, info, log.out
+
+
+def test_from_pretrained_initialises_and_reports_missing_tensors(tmp_path):
+    """transformers' convention: a tensor the checkpoint lacks is initialised by `_init_weights` (a table N(0,
+    table_init_std), a bias zeros), named in `missing_keys` and in transformers' load report; the rest is loaded."""
+    model = tiny_model(table_init_std=0.25, hidden_size=128)
     model.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     state = load_file(path)
-    del state["model.layers.0.memory_block.layer2.tables"], state["model.layers.1.attention.query_key_value.bias"]
+    removed = {"model.layers.0.memory_block.layer2.tables", "model.layers.1.attention.query_key_value.bias"}
+    for key in removed:
+        del state[key]
     save_file(state, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="2 missing") as error:
-        MemoryFormerForCausalLM.from_pretrained(tmp_path)
-    assert "model.layers.0.memory_block.layer2.tables" in str(error.value)
-    assert "model.layers.1.attention.query_key_value.bias" in str(error.value)
-    with pytest.raises(ValueError, match="missing"):  # asking for the loading report does not turn the check off
-        MemoryFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    loaded, info, report = _load_with_report(MemoryFormerForCausalLM, tmp_path)
+    assert set(info["missing_keys"]) == removed and not info["unexpected_keys"]
+    assert all(key in report for key in removed) and "MISSING" in report
+    tables = loaded.get_parameter("model.layers.0.memory_block.layer2.tables")
+    assert abs(tables.std().item() - 0.25) < 0.01 and abs(tables.mean().item()) < 0.01
+    assert not torch.equal(tables, model.get_parameter("model.layers.0.memory_block.layer2.tables"))
+    assert torch.all(loaded.get_parameter("model.layers.1.attention.query_key_value.bias") == 0)
+    original = dict(model.named_parameters())
+    for name, parameter in loaded.named_parameters():
+        if name not in removed:
+            assert torch.equal(parameter, original[name]), name
 
 
-def test_from_pretrained_refuses_a_checkpoint_without_its_lm_head_and_foreign_tensors(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_base_model_checkpoint_loads_into_the_causal_lm_with_a_new_head(tmp_path, tie):
+    """transformers' convention for a head-less (base-model) checkpoint: the base weights load, the LM head is
+    initialised (N(0, initializer_range)) and reported missing, or tied to the loaded embeddings (not reported)."""
+    base = tiny_model(tie_word_embeddings=tie).model
+    base.save_pretrained(tmp_path)
+    model, info, report = _load_with_report(MemoryFormerForCausalLM, tmp_path)
+    for name, parameter in base.named_parameters():
+        assert torch.equal(model.model.get_parameter(name), parameter), name
+    head = model.lm_head.weight
+    if tie:
+        assert head is model.model.embed_tokens.weight and not info["missing_keys"]
+    else:
+        assert set(info["missing_keys"]) == {"lm_head.weight"} and "lm_head.weight" in report
+        assert abs(head.std().item() - TINY["initializer_range"]) < 0.05 and abs(head.mean().item()) < 0.05
+
+
+def test_tensors_the_model_has_no_place_for_are_reported(tmp_path):
     model = tiny_model()
-    state = {f"model.{k}": v for k, v in model.model.state_dict().items()}
-    MemoryFormerModel(model.config).save_pretrained(tmp_path)  # a head-less checkpoint
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state["model.layers.0.attention.dense.tables"] = torch.zeros(4, 4)  # no such layer in this model
-    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    model.save_pretrained(tmp_path)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="1 it has no place for .model.layers.0.attention.dense.tables"):
-        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    loaded, info, report = _load_with_report(MemoryFormerForCausalLM, tmp_path)
+    assert set(info["unexpected_keys"]) == {"model.layers.0.attention.dense.tables"} and not info["missing_keys"]
+    assert "model.layers.0.attention.dense.tables" in report
+    assert all(torch.equal(p, model.get_parameter(n)) for n, p in loaded.named_parameters())
     # The LM head of a causal-LM checkpoint is no foreign tensor for the head-less base model.
     model.save_pretrained(tmp_path)
     base = MemoryFormerModel.from_pretrained(tmp_path)

@@ -14,8 +14,8 @@ TINY_CONFIG = ("dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_att
                "expand_bits=1, max_position_embeddings=32)")
 
 
-def run(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+def run(code: str, timeout: float = 300) -> str:
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -66,3 +66,57 @@ def test_star_import_gives_the_public_names():
     exec("from modeling_memoryformer import *", namespace)
     assert set(modeling_memoryformer.__all__) <= set(namespace)
     assert namespace["MemoryFormerConfig"].model_type == "memoryformer"
+
+
+# Every module of the package, imported first. The parent preloads torch and other libraries that import no
+# transformers module and none of this package's (those are what the import hook watches), then forks a child per module: the child's first import of the package
+# is that module, as in a fresh interpreter, without paying for torch each time.
+FIRST_IMPORT_OF_EACH = """
+import importlib, os, pkgutil, sys
+from concurrent.futures import ThreadPoolExecutor
+import matplotlib
+matplotlib.use("Agg")
+import accelerate, datasets, huggingface_hub, matplotlib.pyplot, numpy, safetensors.torch, tokenizers, torch  # noqa
+assert not any(n == "transformers" or n.startswith(("transformers.", "modeling_memoryformer")) for n in sys.modules)
+spec = importlib.util.find_spec("modeling_memoryformer")
+names = sorted(m.name for m in pkgutil.walk_packages(spec.submodule_search_locations, "modeling_memoryformer.")
+               if not m.name.endswith(".__main__"))  # a program to run (`python -m`), not a module to import
+
+
+def first_import(name):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(name)
+            from transformers import AutoConfig
+            config = AutoConfig.for_model("memoryformer")
+            message = f"ok {type(config).__module__}"
+        except BaseException as error:  # noqa: BLE001 - reported to the parent
+            message = f"failed {type(error).__name__}: {error}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        message = pipe.read()
+    os.waitpid(pid, 0)
+    return name, message
+
+
+with ThreadPoolExecutor(2) as pool:
+    for name, message in pool.map(first_import, names):
+        print(name, message)
+"""
+
+
+@pytest.mark.slow
+def test_every_module_imports_as_the_first_import_of_a_fresh_interpreter():
+    """Before, `from modeling_memoryformer.memory_layer import MemoryLayer` as a process's first import failed: the
+    import hook registered the Auto classes (importing the model files) while memory_layer was half-initialised."""
+    lines = run(FIRST_IMPORT_OF_EACH, timeout=900).splitlines()
+    results = dict(line.split(" ", 1) for line in lines)
+    assert len(results) > 40 and "modeling_memoryformer.memory_layer" in results, lines
+    failed = {name: message for name, message in results.items()
+              if message != "ok modeling_memoryformer.configuration_memoryformer"}
+    assert not failed, failed

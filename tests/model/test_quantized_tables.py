@@ -549,6 +549,44 @@ def test_an_int8_checkpoint_without_its_scales_is_refused(tmp_path):
         MemoryFormerForCausalLM.from_pretrained(tmp_path)
 
 
+def test_an_int8_lm_head_without_its_scales_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    tiny_model().quantize_lm_head("int8").save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = {k: v for k, v in load_file(path).items() if k != "lm_head.weight_scale"}
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"1 missing \(lm_head\.weight_scale\).*without their scales"):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("direction", ["int8 config over a float head", "float config over an int8 head"])
+def test_a_config_whose_lm_head_dtype_contradicts_the_weights_is_refused_with_the_fix(tmp_path, direction):
+    model = tiny_model()
+    if direction == "float config over an int8 head":
+        model.quantize_lm_head("int8")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["lm_head_dtype"] = None if config.get("lm_head_dtype") == "int8" else "int8"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fix = "set lm_head_dtype to null in config.json" if config["lm_head_dtype"] == "int8" else "does not say lm_head"
+    with pytest.raises(ValueError, match=fix):
+        MemoryFormerForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_base_model_checkpoint_gets_a_new_int8_head(tmp_path):
+    """transformers' convention for a missing head, in the storage config.json asks for: the int8 rounding of an
+    N(0, initializer_range) head (not the uninitialised memory transformers leaves in a buffer), reported missing."""
+    base = MemoryFormerModel(tiny_config(lm_head_dtype="int8"))
+    base.save_pretrained(tmp_path)
+    model, info = MemoryFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) == {"lm_head.weight_int8", "lm_head.weight_scale"}
+    weight = model.lm_head.dequantized_weight()
+    assert abs(weight.std().item() - TINY["initializer_range"]) < 0.05 and abs(weight.mean().item()) < 0.05
+    assert torch.all(model.lm_head.weight_int8.abs().amax(dim=1) == 127) and torch.all(model.lm_head.weight_scale > 0)
+    assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
+
+
 @pytest.mark.parametrize("direction", ["int8 config over float tables", "float config over int8 tables"])
 def test_a_config_whose_table_dtype_contradicts_the_weights_is_refused_with_the_fix(tmp_path, direction):
     """Before: int8 in config.json over float32 tables loaded with random int8 tables (9 tensors missing)."""

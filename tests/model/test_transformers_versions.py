@@ -9,10 +9,12 @@ the newest release, each in its own venv).
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,29 @@ def test_two_different_caches_are_refused():
         model(PROMPT, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
     cache = DynamicCache(config=model.config)
     model(PROMPT, cache=cache, past_key_values=cache)  # the same object under both names is fine
+
+
+def _deprecation_warnings(forward, **kwargs) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            forward(PROMPT, use_cache=True, **kwargs)
+    return [str(w.message) for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+
+
+def test_the_old_cache_name_warns_where_the_running_release_deprecates_it():
+    """Oracle: the running release's own GPT-NeoX warns for `past_key_values=` where it is deprecated (5.24: `cache`
+    is the name) and not where it is the name (up to 5.23). The model and its base model warn alike, once per call
+    (the causal LM hands the cache on under `cache`), and stay silent for `cache=`."""
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, intermediate_size=128)).eval()
+    deprecated = bool(_deprecation_warnings(neox, past_key_values=DynamicCache(config=neox.config)))
+    assert deprecated == ("cache" in inspect.signature(neox.forward).parameters)
+    model = tiny_model()
+    for forward in (model, model.model):
+        found = _deprecation_warnings(forward, past_key_values=DynamicCache(config=model.config))
+        assert len(found) == deprecated, found
+        assert _deprecation_warnings(forward, cache=DynamicCache(config=model.config)) == []
 
 
 @pytest.mark.parametrize("name", ["cache_params", "kv_cache", "cache_position", "encoder_attention_mask",

@@ -1,15 +1,22 @@
 """The main job, `memoryformer demo`, at a tiny scale (a slice of the embedded documentation as data): both models
-trained on the same tokens, the report folder complete, its figures consistent with independent computations."""
+trained on the same tokens, the report folder complete, its figures consistent with independent computations, and the
+load of each phase of the run recorded: the module's run trains both models while a process of the test's own keeps a
+core busy, and its report must say so."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
+import sys
 
 import pytest
 
+from modeling_memoryformer.comparison import demo as demo_module
 from modeling_memoryformer.comparison.demo import DemoSettings, format_report, loss_at, run_demo
 from modeling_memoryformer.training.data import embedded_default_text
 
@@ -22,15 +29,45 @@ TINY_DEMO = dict(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attent
 pytestmark = pytest.mark.slow
 
 
+# Another job: one core spun for at most 10 minutes, saying when it has started.
+SPIN = ("import sys, time\nprint('spinning', flush=True)\nend = time.perf_counter() + 600\n"
+        "while time.perf_counter() < end:\n    pass\n")
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """The tiny demo, with another process spinning a core while each model trains (from before its first step to
+    after its last evaluation), and not otherwise."""
     root = tmp_path_factory.mktemp("demo")
     eval_text = root / "ood.txt"
     eval_text.write_text("An out-of-domain text about rivers, mountains and the sea. " * 40)
     data = root / "data.txt"
     data.write_text(embedded_default_text()[:40_000])
     out = root / "report"
-    summary = run_demo(DemoSettings(out=str(out), data=str(data), eval_text=str(eval_text), speed_rounds=3, **TINY_DEMO))
+    spinners, train_one = [], demo_module._train_one
+
+    def train_beside_another_job(*args, **kwargs):
+        spinner = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
+        spinners.append(spinner)
+        assert spinner.stdout.readline().strip() == "spinning"
+        try:
+            return train_one(*args, **kwargs)
+        finally:
+            # Killed but not waited for until the run is over: a child's CPU counts as this process's own once it
+            # is reaped, which would hide the load of the interval it was reaped in.
+            os.kill(spinner.pid, signal.SIGKILL)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo_module, "_train_one", train_beside_another_job)
+        try:
+            summary = run_demo(DemoSettings(out=str(out), data=str(data), eval_text=str(eval_text), speed_rounds=3,
+                                            **TINY_DEMO))
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
+                spinner.stdout.close()
+    assert len(spinners) == 2
     return out, summary
 
 
@@ -181,3 +218,99 @@ def test_loss_at_interpolates_in_log_tokens():
     assert loss_at(curve, math.sqrt(100 * 1000)) == pytest.approx(1.5)
     assert loss_at(curve, 1000) == pytest.approx(1.0) and loss_at(curve, 10000) == pytest.approx(0.5)
     assert loss_at(curve, 99) is None and loss_at(curve, 10001) is None
+
+
+def test_a_run_whose_training_overlapped_another_job_says_so(demo):
+    """The spinner of the fixture kept a core busy during both models' training: the summary records that phase
+    (and each model's steps) as busy, and the report says so, names what it spoils and marks those rows."""
+    out, summary = demo
+    load = json.loads((out / "summary.json").read_text())["load"]
+    assert load == summary["load"]
+    assert set(load["phases"]) == {"setup", "training", "evaluation", "speed", "rest"}
+    training = load["phases"]["training"]
+    # one spinning core of 2 (our two torch threads share the rest): about 0.6-1 core of others, whatever else runs
+    assert training["busy"] and training["other_cores"] >= 0.5, training
+    for name, steps in load["training_by_model"].items():
+        assert steps["busy"] and steps["other_cores"] >= 0.5, (name, steps)
+    assert "training" in load["busy_phases"]
+    for phase, figures in load["phases"].items():
+        assert figures["busy"] == (figures["other_cores"] > load["threshold"]) or (phase == "speed" and
+                                                                                 summary["speed"]["busy"]), phase
+    # the training phase is the steps the Trainer timed: the same intervals, read by two callbacks
+    assert training["seconds"] == pytest.approx(summary["time"]["training_seconds"], abs=0.5)
+    assert sum(p["seconds"] for p in load["phases"].values()) <= summary["time"]["total_seconds"] + 0.5
+    report = (out / "report.md").read_text()
+    assert f"BUSY during training: other processes used {training['other_cores']:.2f} cores on average" in report
+    assert "training throughput (the 'during the run' rows) and training times are not the machine's" in report
+    assert "| training tokens/s during the run (one after the other) (BUSY: see Load) |" in report
+    assert "| training time (steps only) (BUSY: see Load) |" in report
+    assert "quiet throughout" not in report
+
+
+def _with_loads(summary: dict, **busy_cores: float) -> dict:
+    """`summary` with every phase quiet (0.02 cores) but the ones given (cores of other processes)."""
+    threshold = summary["load"]["threshold"]
+
+    def figures(cores):
+        return {"seconds": 30.0, "other_cores": cores, "max_other_cores": cores + 0.1, "busy": cores > threshold,
+                "threshold": threshold}
+
+    phases = {phase: figures(busy_cores.get(phase, 0.02)) for phase in summary["load"]["phases"]}
+    load = dict(summary["load"], phases=phases, whole_run=figures(max(busy_cores.values(), default=0.02)),
+                training_by_model={name: figures(busy_cores.get("training", 0.02)) for name in summary["models"]},
+                busy_phases=[phase for phase, f in phases.items() if f["busy"]],
+                calibration=figures(busy_cores.get("setup", 0.02)))
+    speed = dict(summary["speed"], busy=False, other_cores=phases["speed"]["other_cores"], max_other_cores=0.05)
+    return dict(summary, load=load, speed=speed)
+
+
+def test_the_report_of_a_quiet_run_says_quiet_throughout_and_flags_nothing(demo):
+    _, summary = demo
+    report = format_report(_with_loads(summary))
+    assert "quiet throughout: other processes used 0.02 cores on average" in report
+    assert "BUSY" not in report
+    assert "quiet during these timings" in report  # the speed rows' own verdict, for their timed calls only
+
+
+def test_a_run_busy_only_during_its_speed_rows_is_flagged_there_and_not_in_training(demo):
+    _, summary = demo
+    report = format_report(_with_loads(summary, speed=1.4))
+    assert "BUSY during the speed rows: other processes used 1.40 cores on average" in report
+    assert "the speed rows and the equal-time view are not the machine's" in report
+    assert "BUSY during training" not in report and "quiet throughout" not in report
+    assert "Quiet during the setup (kernel, data, calibration) (0.02), training (0.02)" in report
+    assert "| decode tokens/s (speed measurement) (BUSY: see Load) |" in report
+    assert "| training time (steps only) |" in report  # not marked: training was quiet
+    assert "benchmarks.demo_bench --demo-folder" in report
+
+
+def test_without_proc_stat_the_load_is_unknown_not_quiet(demo):
+    _, summary = demo
+    unknown = {"seconds": 30.0, "other_cores": None, "max_other_cores": None, "busy": None, "threshold": 0.25}
+    load = dict(summary["load"], whole_run=unknown, phases=dict.fromkeys(summary["load"]["phases"], unknown),
+                busy_phases=[])
+    report = format_report(dict(summary, load=load))
+    assert "unknown here (no /proc/stat)" in report and "quiet throughout" not in report
+
+
+def test_a_summary_without_loads_still_formats(demo):
+    """Report folders written before the loads were recorded (e.g. the committed demo runs) still format."""
+    _, summary = demo
+    old = {key: value for key, value in summary.items() if key != "load"}
+    old["time"] = {key: summary["time"][key] for key in ("total_seconds", "training_seconds", "evaluation_seconds",
+                                                         "speed_seconds", "other_seconds", "estimated_seconds")}
+    report = format_report(old)
+    assert "Load of the machine" not in report and "estimated at the start" in report
+
+
+def test_the_time_estimate_is_made_after_the_kernel_and_the_data_and_says_its_load(demo):
+    out, summary = demo
+    spent, calibration = summary["time"], summary["load"]["calibration"]
+    assert spent["estimate_made_at_seconds"] >= spent["kernel_seconds"] + spent["data_seconds"]
+    assert spent["estimated_seconds"] == pytest.approx(spent["estimate_made_at_seconds"] + sum(spent["estimate"].values()))
+    assert set(spent["estimate"]) == {"training", "evaluation", "speed measurement", "other"}
+    again = spent["reestimate"]
+    assert again["after"] == "MemoryFormer" and again["pace"] > 0 and again["remaining_seconds"] > 0
+    report = (out / "report.md").read_text()
+    assert (f"{spent['estimate_made_at_seconds']:.0f} s in, after the kernel and the data, for the load during the "
+            f"calibration: other processes {calibration['other_cores']:.2f} cores") in report

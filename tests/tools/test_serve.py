@@ -1,9 +1,11 @@
 """`memoryformer serve`: a tiny MemoryFormer with a byte-level tokenizer behind the server on a loopback port, talked
-to with the real `openai` client. The oracle is `model.generate` on the same model, token for token."""
+to with the real `openai` client. The oracle is `model.generate` on the same model, token for token. The server runs
+on transformers' continuous batching: `make test` runs this file under the floor, the default and the newest release."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import time
 import urllib.error
@@ -23,6 +25,7 @@ TEXT = ["the quick brown fox jumps over the lazy dog", "memory layers replace de
         "a bucket of rows for every chunk of the input"] * 20
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 MAX_BATCH = 4
+MAX_BATCH_TOKENS = 16  # prompts longer than this are prefilled in chunks
 
 
 def metaspace_tokenizer():
@@ -52,7 +55,8 @@ def served(tmp_path_factory):
     model = MemoryFormerForCausalLM(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    server = Server(ServeSettings(model=str(folder), port=0, max_batch_size=MAX_BATCH)).start()
+    server = Server(ServeSettings(model=str(folder), port=0, max_batch_size=MAX_BATCH,
+                                  max_batch_tokens=MAX_BATCH_TOKENS)).start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
     yield server, client, model, tokenizer, str(folder)
     server.stop()
@@ -67,6 +71,25 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
 def batcher(server):
     (manager,) = server.state._batchers.values()
     return manager
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def nothing_in_continuous_batching(manager) -> bool:
+    """Whether transformers' managers hold no request any more (a cancelled one is dropped, its cache blocks freed,
+    before their next forward)."""
+    for engine in manager._engines.values():
+        scheduler = engine.batch_processor.scheduler
+        if scheduler.active_requests or scheduler.waiting_requests:
+            return False
+    return True
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -117,61 +140,144 @@ def test_sixteen_concurrent_streaming_clients_all_finish_in_bounded_batches(serv
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(run, prompts))
     assert texts == [greedy(model, tokenizer, p, 12) for p in prompts]
-    assert 2 <= batcher(server).peak_rows <= MAX_BATCH
+    assert 2 <= batcher(server).peak_running <= MAX_BATCH
 
 
-def test_a_client_that_goes_away_frees_its_row(served):
+def test_a_prompt_longer_than_a_forward_is_prefilled_in_chunks_and_continues_as_generate_does(served):
+    server, client, model, tokenizer, name = served
+    prompt = "xylophone quiz jam vex kiwi, the quick brown fox jumps over the lazy dog with hash tables"
+    assert len(tokenizer(prompt).input_ids) > 2 * MAX_BATCH_TOKENS
+    response = client.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+    assert response.choices[0].text == greedy(model, tokenizer, prompt, 10)
+
+
+def test_the_paged_cache_is_sized_from_the_settings_not_from_the_machine(served):
+    """MAX_BATCH requests of the model's 128 positions, in pages of PAGE_SIZE tokens: a few hundred KB, where
+    transformers sizes a paged cache left unset from the machine's memory (past 13 GB on a CPU)."""
+    from modeling_memoryformer.serving.batching import PAGE_SIZE
+
     server, client, model, tokenizer, name = served
     manager = batcher(server)
-    before = manager.dropped
-    stream = client.completions.create(model=name, prompt="the quick", max_tokens=100, temperature=0, stream=True)
-    for i, _chunk in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
-    deadline = time.monotonic() + 30
-    while manager.dropped == before and time.monotonic() < deadline:
-        client.completions.create(model=name, prompt="a", max_tokens=2, temperature=0)  # steps the batch
-    assert manager.dropped == before + 1
-    deadline = time.monotonic() + 30
-    while manager._rows and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manager._rows == []
+    assert manager.max_request_tokens == 128
+    cache = manager._engines[False].batch_processor.cache
+    assert MAX_BATCH * 128 <= cache.num_blocks * PAGE_SIZE <= 2 * MAX_BATCH * (128 + PAGE_SIZE)
 
 
-def test_a_non_streaming_client_that_goes_away_frees_its_row(served):
-    """The model is slowed to 30 ms a forward, so 100 tokens take 3 s; the client gives up after 0.5 s. Its row must
-    leave the batch then, not decode for nobody to the end."""
-    server, client, model, tokenizer, name = served
-    manager = batcher(server)
-    before = manager.dropped
+@contextlib.contextmanager
+def slowed(manager, seconds: float = 0.03):
+    """The served model slowed to `seconds` a forward: 100 tokens take 3 s at least."""
     original = manager.model.forward
 
     def slow_forward(*args, **kwargs):
-        time.sleep(0.03)
+        time.sleep(seconds)
         return original(*args, **kwargs)
 
     manager.model.forward = slow_forward
     try:
+        yield
+    finally:
+        del manager.model.forward  # the bound method again
+
+
+def test_a_client_that_goes_away_frees_its_slot(served):
+    """The stream of 100 tokens (3 s at least) is closed after 3 chunks: the request is cancelled in transformers'
+    manager, which drops it (and frees its cache blocks) well before it would have ended, without another request to
+    step the batch; its slot is free."""
+    server, client, model, tokenizer, name = served
+    manager = batcher(server)
+    before = manager.dropped
+    with slowed(manager):
+        start = time.monotonic()
+        stream = client.completions.create(model=name, prompt="the quick", max_tokens=100, temperature=0,
+                                           stream=True)
+        for i, _chunk in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()
+        assert wait_until(lambda: manager.dropped == before + 1, timeout=5)
+        assert manager.running == 0 and manager.waiting == 0
+        assert wait_until(lambda: nothing_in_continuous_batching(manager), timeout=5)
+        assert time.monotonic() - start < 2.0  # well before the 3 s its 100 tokens would have taken
+
+
+def test_a_non_streaming_client_that_goes_away_frees_its_slot(served):
+    """The client gives up after 0.5 s on 100 tokens (3 s at least). Its request must leave the batch then, in this
+    server and in transformers' manager, not decode for nobody to the end."""
+    server, client, model, tokenizer, name = served
+    manager = batcher(server)
+    before = manager.dropped
+    with slowed(manager):
         impatient = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
                                   timeout=0.5)
         start = time.monotonic()
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(model=name, prompt="the quick", max_tokens=100, temperature=0)
-        while manager.dropped == before and time.monotonic() < start + 5:
-            time.sleep(0.02)
-        assert manager.dropped == before + 1
+        assert wait_until(lambda: manager.dropped == before + 1, timeout=5)
+        assert manager.running == 0
+        assert wait_until(lambda: nothing_in_continuous_batching(manager), timeout=5)
         assert time.monotonic() - start < 2.0  # well before the 3 s its 100 tokens would have taken
-    finally:
-        del manager.model.forward  # the bound method again
-    while manager._rows:
-        time.sleep(0.05)
 
 
 def test_sampling_gives_max_tokens_tokens(served):
     server, client, model, tokenizer, name = served
     response = client.completions.create(model=name, prompt="the", max_tokens=9, temperature=0.8, top_p=0.9)
     assert response.usage.completion_tokens == 9
+
+
+def test_each_request_samples_with_its_own_settings_beside_greedy_ones(served):
+    """Sampled and greedy requests at once. top_p near 0 keeps only the most likely token, so such a sampled request
+    is greedy; at temperature 2 three samples of 20 tokens are not all the greedy text; the greedy requests running
+    beside them are still `generate`'s."""
+    server, client, model, tokenizer, name = served
+    prompt = "the quick"
+    expected = greedy(model, tokenizer, prompt, 20)
+
+    def run(settings):
+        return client.completions.create(model=name, prompt=prompt, max_tokens=20, **settings).choices[0].text
+
+    settings = [{"temperature": 0}, {"temperature": 1.0, "top_p": 1e-6}, {"temperature": 2.0}, {"temperature": 2.0},
+                {"temperature": 2.0}, {"temperature": 0}]
+    with concurrent.futures.ThreadPoolExecutor(len(settings)) as pool:
+        texts = list(pool.map(run, settings))
+    assert texts[0] == texts[1] == texts[5] == expected
+    assert any(text != expected for text in texts[2:5])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_before_them(served, stream):
+    """OpenAI's `stop`: the text ends just before the first stop string (which transformers' continuous batching does
+    not know: the server watches the decoded text and cancels the request there)."""
+    server, client, model, tokenizer, name = served
+    prompt = "the quick"
+    full = greedy(model, tokenizer, prompt, 30)
+    stop = full[10:13]
+    assert stop not in full[:12]
+    response = client.completions.create(model=name, prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "@@"],
+                                         stream=stream)
+    if stream:
+        chunks = list(response)
+        text = "".join(chunk.choices[0].text for chunk in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = response.choices[0].text, response.choices[0].finish_reason
+    assert text == full[:full.index(stop)]
+    assert finish == "stop"
+    assert wait_until(lambda: batcher(server).running == 0)
+
+
+@pytest.mark.parametrize("pieces, stops, sent", [
+    (["ab", "cd", "ef"], ["cde"], ["ab", "", ""]),  # "cd" is held back, then "cde" is whole
+    (["ab", "c", "x"], ["cde"], ["ab", "", "cx"]),  # "c" was not a stop after all
+    (["hello", " wor", "ld"], ["xyz"], ["hello", " wor", "ld"]),
+    (["a<", "/s", ">b"], ["</s>", "s>"], ["a", "", ""]),  # the earliest stop wins
+])
+def test_stop_text_holds_back_what_may_start_a_stop_string(pieces, stops, sent):
+    from modeling_memoryformer.serving.batching import _StopText
+
+    text = _StopText(stops)
+    assert [text.feed(piece) for piece in pieces] == sent
+    whole = "".join(pieces)
+    assert text.hit == any(stop in whole for stop in stops)
 
 
 def _post(server, path: str, data: bytes) -> tuple[int, dict]:
@@ -202,6 +308,58 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(served, body, st
         == 3
 
 
+# Fields out of OpenAI's range, or asking for what this server does not do: a 400 naming the field, before anything
+# runs (max_tokens 0 or -5 used to give one token with 200 OK). Ranges as OpenAI's API states them (vLLM's for top_p:
+# above 0); n, best_of, log probabilities, echo, penalties and a logit bias are not supported here.
+COMPLETION_FIELDS = [
+    ("max_tokens", 0, "integer_below_min_value"), ("max_tokens", -5, "integer_below_min_value"),
+    ("max_tokens", 2.5, "invalid_type"), ("max_tokens", "5", "invalid_type"),
+    ("temperature", -0.5, "decimal_below_min_value"), ("temperature", 2.5, "decimal_above_max_value"),
+    ("temperature", "hot", "invalid_type"), ("top_p", 0, "decimal_below_min_value"),
+    ("top_p", 1.5, "decimal_above_max_value"), ("n", 0, "integer_below_min_value"), ("n", 2, "unsupported_value"),
+    ("best_of", 3, "unsupported_value"), ("logprobs", 2, "unsupported_value"), ("echo", True, "unsupported_value"),
+    ("frequency_penalty", 0.5, "unsupported_value"), ("frequency_penalty", -3, "decimal_below_min_value"),
+    ("presence_penalty", 0.5, "unsupported_value"), ("presence_penalty", 2.5, "decimal_above_max_value"),
+    ("logit_bias", {"5": 10}, "unsupported_value"), ("seed", 1.5, "invalid_type"), ("stop", "", "invalid_value"),
+    ("stop", [1, 2], "invalid_type"), ("stream", "yes", "invalid_type"),
+]
+CHAT_FIELDS = [
+    ("max_completion_tokens", 0, "integer_below_min_value"), ("max_tokens", -1, "integer_below_min_value"),
+    ("logprobs", True, "unsupported_value"), ("top_logprobs", 2, "unsupported_value"), ("n", 3, "unsupported_value"),
+    ("response_format", {"type": "json_object"}, "unsupported_value"), ("temperature", 3, "decimal_above_max_value"),
+]
+
+
+@pytest.mark.parametrize("chat, field, value, code", [(False, *case) for case in COMPLETION_FIELDS]
+                         + [(True, *case) for case in CHAT_FIELDS])
+def test_out_of_range_fields_are_refused_naming_the_field(served, chat, field, value, code):
+    server, client, model, tokenizer, name = served
+    body = {"messages": [{"role": "user", "content": "the"}]} if chat else {"prompt": "the"}
+    body = {**body, "max_tokens": 3, field: value}
+    status, payload = _post(server, "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body).encode())
+    assert status == 400, payload
+    assert payload["error"]["param"] == field and payload["error"]["code"] == code, payload
+    assert f"'{field}'" in payload["error"]["message"] and payload["error"]["type"] == "invalid_request_error"
+    assert batcher(server).running == 0
+
+
+@pytest.mark.parametrize("chat, fields", [
+    (False, {"temperature": 0, "top_p": 1, "n": 1, "best_of": 1, "echo": False, "frequency_penalty": 0,
+             "presence_penalty": 0, "logit_bias": {}, "seed": 3, "stop": [], "max_tokens": 1}),
+    (False, {"temperature": 2, "top_p": 0.5}),
+    (True, {"temperature": 0, "max_completion_tokens": 2, "logprobs": False, "n": 1,
+            "response_format": {"type": "text"}}),
+])
+def test_fields_at_the_edges_of_their_range_are_served(served, chat, fields):
+    server, client, model, tokenizer, name = served
+    body = {"messages": [{"role": "user", "content": "the"}]} if chat else {"prompt": "the"}
+    status, payload = _post(server, "/v1/chat/completions" if chat else "/v1/completions",
+                            json.dumps({"max_tokens": 3, **body, **fields}).encode())
+    assert status == 200, payload
+    wanted = fields.get("max_completion_tokens", fields.get("max_tokens", 3))
+    assert payload["usage"]["completion_tokens"] == wanted
+
+
 def test_the_openai_client_raises_its_bad_request_error(served):
     server, client, model, tokenizer, name = served
     with pytest.raises(openai.BadRequestError) as info:
@@ -230,3 +388,22 @@ def test_int8_tables_are_served_as_generate_runs_them(served):
 def test_serve_options_are_checked(capsys):
     assert cli.main(["serve", "model", "--port", "70000"]) != 0
     assert "--port must be in 0..65535, got 70000" in capsys.readouterr().err
+    assert cli.main(["serve", "model", "--max-batch-tokens", "8"]) != 0
+    assert "--max-batch-tokens (8) must be at least --max-batch-size (16)" in capsys.readouterr().err
+
+
+def test_the_continuous_batching_config_takes_the_running_release_fields():
+    """Every size is given explicitly, in the fields the running release has (page_size from 5.23, block_size
+    before; max_requests_per_batch where it exists)."""
+    import dataclasses
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from modeling_memoryformer.serving.batching import PAGE_SIZE, continuous_batching_config
+
+    config = continuous_batching_config(max_batch_size=8, max_request_tokens=1000, max_batch_tokens=256)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    assert getattr(config, "page_size" if "page_size" in fields else "block_size") == PAGE_SIZE
+    assert config.num_blocks == 8 * (-(-1000 // PAGE_SIZE) + 1) and config.max_batch_tokens == 256
+    if "max_requests_per_batch" in fields:
+        assert config.max_requests_per_batch == 8

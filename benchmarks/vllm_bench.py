@@ -2,7 +2,7 @@
 docs/serving.md "vLLM"), N concurrent streaming clients (1, 4, 16), completion tokens per second and time to first
 token. The twin of `benchmarks.serve_bench`, with vLLM's scheduler and paged attention in place of `memoryformer serve`.
 
-    python -m benchmarks.vllm_bench          # writes benchmarks/results/<date>-<cpu>-vllm/results.{json,md,png}
+    python -m benchmarks.vllm_bench --cpu-tag zen3   # writes benchmarks/results/<date>-zen3-vllm/results.{json,md,png}
     python -m benchmarks.vllm_bench --clients 1 4 --requests 2 --max-tokens 32 --enforce-eager
 
 Needs the vLLM venv (`make vllm`; `--vllm-python` or MEMORYFORMER_VLLM_PYTHON names its interpreter). This process
@@ -142,8 +142,8 @@ def run_level(server: VllmServer, model_name: str, clients: int, requests: int, 
             "client_cores": round(own_cpu / wall, 2), "other_cores": round(other, 3), "busy": other > NOISY_CORES}
 
 
-def default_out_dir(cpu: str | None) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", (cpu or "cpu").lower()).strip("-") or "cpu"
+def default_out_dir(cpu_tag: str | None, cpu: str | None) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", (cpu_tag or cpu or "cpu").lower()).strip("-") or "cpu"
     date = datetime.date.today().isoformat()
     return os.path.join(REPO_ROOT, "benchmarks", "results", f"{date}-{slug}-vllm")
 
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the twin through vLLM's Transformers backend, as MF-tiny (default), or vLLM's own GPT-NeoX")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="", help="a line for results.md: what was served, how the machine was")
+    parser.add_argument("--cpu-tag", default=None,
+                        help="the <cpu> of the default --out-dir, e.g. zen3 (default: the CPU's model name)")
     parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/<date>-<cpu>-vllm")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.vllm_python):
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = environment()
     env["vllm_venv"] = vllm_versions(args.vllm_python)
-    out_dir = args.out_dir or default_out_dir(env.get("cpu"))
+    out_dir = args.out_dir or default_out_dir(args.cpu_tag, env.get("cpu"))
     tokenizer, tokenizer_name = _tokenizer()
     generator = torch.Generator().manual_seed(args.seed)
     text_ids = tokenizer(" ".join(["memory layers replace every dense layer of the transformer with hash tables"]

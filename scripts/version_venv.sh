@@ -2,7 +2,8 @@
 # Usage: scripts/version_venv.sh VENV PYTHON TORCH_VERSION TRANSFORMERS_REQUIREMENT
 # A venv holding this package beside one transformers release, for the version tests of `make test`:
 # torch first (pinned), then transformers as asked (an exact release, or a range: the newest release in it), then this
-# package (editable, with the serve extra: the server runs on transformers' serving code) and pytest. Fails if
+# package (editable, with the serve extra: the server runs on transformers' serving code), pytest and parameterized
+# (transformers' own common tests import it: tests/transformers_suite). Fails if
 # installing the package changed the transformers release: the declared range
 # in pyproject.toml must keep what a user already has.
 set -euo pipefail
@@ -17,7 +18,7 @@ quiet "${pip[@]}" install --quiet --upgrade pip
 quiet "${pip[@]}" install --quiet "torch==$torch_version"
 quiet "${pip[@]}" install --quiet "$requirement" "torch==$torch_version"
 before=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
-PYTHONWARNINGS="ignore:Editable installation" quiet "${pip[@]}" install --quiet -e ".[serve]" "pytest>=8" "torch==$torch_version"
+PYTHONWARNINGS="ignore:Editable installation" quiet "${pip[@]}" install --quiet -e ".[serve]" "pytest>=8" "parameterized" "torch==$torch_version"
 after=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
 if [ "$before" != "$after" ]; then
   echo "error: installing memoryformer-hf replaced transformers $before by $after: widen pyproject.toml's range" >&2

@@ -148,33 +148,48 @@ BOUNDARY_SHAPES = [
 ]
 
 
-def _plans(ops, tokens=(64, 65, 512, 2048, 4096, 16384)):
+def _llc_shape(ops) -> kernel_report.LayerShape:
+    """A layer whose bfloat16 tables are about the size of this machine's last-level cache (L3, or L2 without one),
+    with a width the packed pass does not take (not a multiple of its 32 columns) and a column block per thread: the
+    forward is bucketed from 3/2 of the LLC, so such a layer changes plan when the caches shrink, on any CPU (the fixed
+    shapes above straddle a boundary on some machines only: none of them moved on a 512 KB-L2 Zen 3)."""
+    l1, l2, l3 = list(ops.machine_info())[:3]
+    width = 64 * max(2, torch.get_num_threads()) + 2
+    num_tables = max(1, (l3 or l2) // (256 * width * 2))
+    return kernel_report.LayerShape("llc", num_tables * 8, width, 8, 1)
+
+
+def _plans(ops, shapes=tuple(BOUNDARY_SHAPES), tokens=(64, 65, 512, 2048, 4096, 16384)):
     """Plans for float32 tables (packed or not by lookups per row, units per thread: the L2 sets the chunks) and
     bfloat16 ones (bucketed or not by table size against the L3)."""
     return {(s.name, n, backward, str(dtype)): kernel_report.plan_strategy(n, s, dtype, backward)
-            for s in BOUNDARY_SHAPES for n in tokens for backward in (False, True)
+            for s in shapes for n in tokens for backward in (False, True)
             for dtype in (torch.float32, torch.bfloat16)}
 
 
 def test_plans_follow_the_cache_sizes_and_detection_comes_back():
     ops = _kernel_with("machine_info", "set_cache_sizes", "plan")
     detected = list(ops.machine_info())
-    before = _plans(ops)
+    shapes = (*BOUNDARY_SHAPES, _llc_shape(ops))
+    before = _plans(ops, shapes)
     assert set(before.values()) <= set(lookup_strategies()), before
     l1, l2, l3 = detected[:3]
     try:
         ops.set_cache_sizes(max(1, l1 // 8), max(1, l2 // 16), max(1, l3 // 16))
         assert list(ops.machine_info())[:3] == [max(1, l1 // 8), max(1, l2 // 16), max(1, l3 // 16)]
-        shrunk = _plans(ops)
+        shrunk = _plans(ops, shapes)
         ops.set_cache_sizes(l1 * 64, l2 * 64, l3 * 64)
-        grown = _plans(ops)
+        grown = _plans(ops, shapes)
     finally:
         ops.set_cache_sizes(0, 0, 0)
     assert list(ops.machine_info()) == detected  # 0, 0, 0 detects again
-    assert _plans(ops) == before
+    assert _plans(ops, shapes) == before
     assert set(shrunk.values()) | set(grown.values()) <= set(lookup_strategies()), (shrunk, grown)
     changed = {key: (before[key], shrunk[key]) for key in before if before[key] != shrunk[key]}
     assert changed, f"no plan changed when the caches shrank 16x: {before}"
+    for n in (2048, 4096):  # about the LLC: gathered row by row; 16x beyond the shrunk LLC: bucketed
+        assert (before[("llc", n, False, "torch.bfloat16")], shrunk[("llc", n, False, "torch.bfloat16")]) == (
+            "embedding_bag", "bucketed"), (shapes[-1], n)
 
 
 def test_cache_override_in_the_report_is_applied_then_undone(capsys):

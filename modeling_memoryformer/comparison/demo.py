@@ -16,7 +16,8 @@ Every timing depends on the machine and on what else runs on it; the perplexitie
 used is recorded for each phase of the run (`evaluation.cpu_load.LoadMeter`: setup, training steps, evaluation,
 speed rows, the rest), and the report flags each phase they slowed, saying which of its figures that makes
 untrustworthy. The time estimate is made once the kernel is built and the data tokenised, from a calibration of both
-models then, for a machine as busy as during the calibration, and re-taken after the first model has trained.
+models then, for a machine as busy as during the calibration, and re-taken at the pace of the first model's
+training (when it was long enough to time one).
 
 With no data given it runs on the embedded default (`training.data.embedded_default_documents`: the Python standard
 library's source and documentation, about 3.4 M tokens, held-out files for validation, a byte-level BPE tokenizer
@@ -257,6 +258,26 @@ def _sum_parts(estimates) -> dict[str, float]:
     return parts
 
 
+REESTIMATE_AFTER_SECONDS = 20.0  # a shorter training carries more Trainer set-up than steps: its pace says little
+
+
+def remaining_estimate(estimates: dict[str, dict[str, float]], done: str, seconds: float) -> dict | None:
+    """The estimate re-taken once model `done` has trained and evaluated in `seconds`: its pace (those seconds over
+    their calibrated estimate, which carries any load that came or went since) applied to what is left, the models
+    after it and every model's speed measurement and rest; the fixed saving time as it was. None after the last
+    model, or when the training was too short to time a pace (under REESTIMATE_AFTER_SECONDS)."""
+    names = list(estimates)
+    later = names[names.index(done) + 1:]
+    calibrated = estimates[done]["training"] + estimates[done]["evaluation"]
+    if not later or seconds < REESTIMATE_AFTER_SECONDS or calibrated <= 0:
+        return None
+    pace = seconds / calibrated
+    left = sum(estimates[name][part] for name in later for part in ESTIMATE_PARTS)
+    left += sum(estimates[name][part] for name in names[:names.index(done) + 1]
+                for part in ("speed measurement", "other"))
+    return {"after": done, "pace": pace, "remaining_seconds": pace * left + FIXED_OTHER_SECONDS}
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
@@ -373,7 +394,7 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
           f"{'' if epochs <= 1 else ': THE DATA REPEATS'}).", flush=True)
 
     results, curves, steps_load, between_load, reestimate = {}, {}, {}, {}, None
-    for index, (name, model) in enumerate(models.items()):
+    for name, model in models.items():
         steps_load[name], between_load[name] = LoadMeter(), LoadMeter()
         between_load[name].start()
         result = _train_one(os.path.join(work, folders[name]), model, data, settings, rates[name],
@@ -381,17 +402,11 @@ def _run_demo(settings: DemoSettings, work: str) -> dict:
         between_load[name].stop()
         meters["rest"].start()
         print(_training_done_line(name, result, estimates[name], steps_load[name].summary()), flush=True)
-        later = list(models)[index + 1:]
-        if later:  # re-taken from this model's measured pace: the calibration's error, or the load since, scaled in
-            pace = (result.train_seconds + result.eval_seconds) / max(
-                1e-9, estimates[name]["training"] + estimates[name]["evaluation"])
-            rest = _sum_parts([estimates[other] for other in later]
-                              + [{part: estimates[name][part] for part in ("speed measurement", "other")}
-                                 | {"training": 0.0, "evaluation": 0.0}])
-            reestimate = {"after": name, "pace": pace, "remaining_seconds": pace * sum(rest.values()),
-                          "at_seconds": time.perf_counter() - start}
-            print(f"Estimate re-taken at {name}'s pace ({pace:.2f}x the calibration's): about "
-                  f"{_minutes(reestimate['remaining_seconds'])} to go.", flush=True)
+        again = remaining_estimate(estimates, name, result.train_seconds + result.eval_seconds)
+        if again is not None:
+            reestimate = dict(again, at_seconds=time.perf_counter() - start)
+            print(f"Estimate re-taken at the {name}'s pace ({again['pace']:.2f}x the calibration's): about "
+                  f"{_minutes(again['remaining_seconds'])} to go.", flush=True)
         model.eval()
         curves[name] = loss_curves(result.log_history, tokens_per_step)
         train_loss = final_training_loss(curves[name])

@@ -112,13 +112,14 @@ def generate_greedy(model, ids: list[int], max_new_tokens: int = MAX_TOKENS) -> 
 
 
 def vllm_env(tmp: Path) -> dict[str, str]:
-    """The environment of a vLLM process: offline, loopback only, no usage report, Hub and vLLM caches in `tmp`. (The
-    KV cache is sized by an argument: vLLM's CPU default asks for 92% of the machine's RAM.)"""
+    """The environment of a vLLM process: offline, loopback only, no usage report, the Hub cache (where remote code is
+    copied) in `tmp`. vLLM's own cache stays where it is: without the model facts it keeps there, every engine start
+    inspects the model in one more interpreter (20 s). The KV cache is sized by an argument: vLLM's CPU default asks
+    for 92% of the machine's RAM."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "HF_ENDPOINT")}
     env.update(
         VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp / "hf-home"),
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp / "hf-home"), TOKENIZERS_PARALLELISM="false",
     )
     return env
 

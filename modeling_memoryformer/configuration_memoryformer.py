@@ -95,6 +95,14 @@ class MemoryFormerConfig(PreTrainedConfig):
 
     model_type = "memoryformer"
     keys_to_ignore_at_inference = list(CACHE_NAMES)  # the KV cache's names from / up to transformers 5.24
+    # Pipeline parallelism (vLLM's Transformers backend, `pipeline_parallel_size`): the base model's stages, as Llama's.
+    # No `base_model_tp_plan`: tensor-parallel plans shard `nn.Linear` layers, which Memory Layers are not (vLLM gives
+    # every rank whole Memory Layers; transformers' own plans would split `tables` along the wrong dimension).
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     def __init__(
         self,

@@ -130,3 +130,31 @@ def test_static_cache_generate_compiled_fullgraph_matches_eager(kernel):
     assert torch.equal(static, eager)
     assert torch.equal(auto, eager)
     assert torch.equal(compiled, eager)
+
+
+class _Passthrough(torch.nn.Module):
+    """What a pipeline stage puts where a module lives on another stage (vLLM's PPMissingLayer): the input as is."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def test_the_pipeline_plan_splits_the_model_into_stages_that_chain_to_the_whole():
+    """`base_model_pp_plan` (read by vLLM's pipeline parallelism) names the base model's stages; two stages that each
+    run half the layers, the first without the final norm and the second from the first's hidden states, give the
+    whole forward's hidden states bit for bit."""
+    from conftest import tiny_model
+
+    model = tiny_model(num_hidden_layers=4).model
+    plan = model.config.base_model_pp_plan
+    assert model._pp_plan == plan and all(hasattr(model, name) for name in plan)
+    ids = torch.tensor([[5, 17, 90, 42, 8, 63, 12]])
+    with torch.no_grad():
+        whole = model(ids).last_hidden_state
+        layers, norm = model.layers, model.norm
+        model.layers = torch.nn.ModuleList([*layers[:2], _Passthrough(), _Passthrough()])
+        model.norm = _Passthrough()
+        first = model(ids).last_hidden_state
+        model.layers, model.norm = torch.nn.ModuleList([_Passthrough(), _Passthrough(), *layers[2:]]), norm
+        second = model(inputs_embeds=first).last_hidden_state
+    assert torch.equal(second, whole) and not torch.equal(first, whole)

@@ -9,7 +9,7 @@
     memoryformer generate   build a preset, run a forward and a generation, print FLOPs and memory
     memoryformer flops      FLOPs per block and table memory against the Pythia twin (paper Table 1)
     memoryformer kernels    CPU, caches and the fused kernel's strategy for every Memory Layer of a preset
-    memoryformer serve      a model behind an OpenAI-compatible HTTP endpoint, requests decoded in one batch
+    memoryformer serve      a model behind an OpenAI-compatible HTTP endpoint, on transformers' continuous batching
 """
 
 from __future__ import annotations

@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plot(rows, args, path: str) -> None:
+def _plot(rows, args, path: str, server: str = "memoryformer serve") -> None:
+    """Tokens/s against concurrent clients, one panel per dtype, MF-tiny and its twin (also used by vllm_bench)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,7 +299,7 @@ def _plot(rows, args, path: str) -> None:
         ax.set_xticklabels([str(c) for c in args.clients])
         ax.set_xlabel("concurrent streaming clients")
         ax.set_ylabel("completion tokens / s")
-        ax.set_title(f"memoryformer serve, {dtype}")
+        ax.set_title(f"{server}, {dtype}")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -33,7 +33,7 @@ import time
 import urllib.request
 
 from .common import REPO_ROOT, environment
-from .serve_bench import NOISY_CORES, _free_port, _machine_busy_seconds, _tokenizer, save_models
+from .serve_bench import NOISY_CORES, _free_port, _machine_busy_seconds, _plot, _tokenizer, save_models
 
 DEFAULT_VLLM_PYTHON = os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python")
 START_TIMEOUT = 900  # seconds: the compiled mode compiles the model at start
@@ -247,31 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{max(mf['other_cores'], tw['other_cores'])}{busy} |")
     with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
-    _plot(rows, args, os.path.join(out_dir, "tokens_per_s.png"))
+    _plot(rows, args, os.path.join(out_dir, "tokens_per_s.png"), server="vllm serve")
     print("\n".join(lines))
     return 0
-
-
-def _plot(rows, args, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(args.dtypes), figsize=(5 * len(args.dtypes), 3.6), squeeze=False)
-    for ax, dtype in zip(axes[0], args.dtypes, strict=True):
-        for name in ("MF-tiny", "twin"):
-            points = [(r["clients"], r["tokens_per_s"]) for r in rows if r["model"] == name and r["dtype"] == dtype]
-            ax.plot(*zip(*points, strict=True), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(args.clients)
-        ax.set_xticklabels([str(c) for c in args.clients])
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel("completion tokens / s")
-        ax.set_title(f"vllm serve, {dtype}")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ _EXPORTS = {
     "hash_scores": "memory_ops",
     "memory_lookup": "memory_ops",
     "memory_lookup_reference": "memory_ops",
+    "compiled_decode_kwargs": "transformers_compat",
 }
 __all__ = list(_EXPORTS)
 

@@ -683,35 +683,79 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
 
 // ------------------------------------------------------------------------------------------------ token-major lookup
 // Token-major gather-accumulate: for each token and each span of kCols output columns, the K row spans are summed
-// into registers while the rows kAhead lookups ahead (this token's or the next one's) are prefetched, so the
-// random row reads overlap instead of waiting on the cache one after another.
+// into registers while the rows kAhead lookups ahead are prefetched, so the random row reads overlap instead of
+// waiting on the cache one after another. The prefetch runs along the order the spans are read in: this span's later
+// rows, then the next span's first rows, then the next token's.
+//
+// The work is split over (token, column range) units: with fewer tokens than threads (a decode step has one token
+// per sequence) the columns are split too, so that every thread reads rows. A decode step is latency-bound: its few
+// hundred KB of scattered rows come from DRAM, and one core keeps only so many reads in flight, so a second core
+// reading the other half of each row nearly halves the time. The split starts from kTokenSplitBytes of rows per unit
+// (below it a thread's wake-up costs more than it saves) and keeps column ranges a multiple of kCols.
+constexpr int64_t kTokenSplitBytes = 32 << 10;
+
+// Runs unit(n, cb, ce, rnext) over every (token n, column range [cb, ce)) unit, on the threads: rnext is the next
+// token's rows when the same thread runs that token's unit next (for its prefetches), else nullptr. elem: bytes per
+// table value read.
+template <typename F>
+void for_token_units(const int64_t* rows, int64_t N, int64_t K, int64_t D, int64_t elem, F unit) {
+  const int64_t spans = (D + kCols - 1) / kCols;
+  const int64_t bytes = N * K * D * elem;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t groups = 1;   // column ranges per token: enough units for every thread, none under kTokenSplitBytes
+  if (N < threads && bytes >= 2 * kTokenSplitBytes)
+    groups = std::min({(threads + N - 1) / N, spans, std::max<int64_t>(1, bytes / N / kTokenSplitBytes)});
+  const int64_t per_group = (spans + groups - 1) / groups;   // spans per column range
+  const int64_t units = N * groups;
+  auto body = [=](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n = u / groups, g = u % groups;
+      const int64_t cb = std::min(D, g * per_group * kCols), ce = std::min(D, (g + 1) * per_group * kCols);
+      if (cb < ce) unit(n, cb, ce, (groups == 1 && u + 1 < u1) ? rows + (n + 1) * K : nullptr);
+    }
+  };
+  if (units == 1 || (groups == 1 && threads_for(N * K * D) == 1)) body(0, units);
+  else at::parallel_for(0, units, 1, body);
+}
+
+// The row span read kAhead lookups after row k of the span at c0, in a unit's order (this span's rows, the next
+// span's, the next token's first span): its start (nullptr: none) and width. stride: values per table row.
+template <typename T>
+inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, int64_t K,
+                           int64_t k, int64_t c0, int64_t cb, int64_t ce, int64_t& w) {
+  const int64_t a = k + kAhead;
+  if (a < K) { w = std::min(kCols, ce - c0); return tables + rn[a] * stride + c0; }
+  if (a - K >= K) return nullptr;
+  if (c0 + kCols < ce) { w = std::min(kCols, ce - c0 - kCols); return tables + rn[a - K] * stride + c0 + kCols; }
+  if (rnext != nullptr) { w = std::min(kCols, ce - cb); return tables + rnext[a - K] * stride + cb; }
+  return nullptr;
+}
+
 template <typename T>
 void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
                    T* out, int64_t N, int64_t K, int64_t D) {
   using A = typename Acc<T>::type;
-  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t* rn = rows + n * K;
-      const A* sn = scores + n * K;
-      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        A acc[kCols];
-        for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
-        for (int64_t k = 0; k < K; ++k) {
-          if (k + kAhead < ahead_limit) prefetch_span(tables + rn[k + kAhead] * D + c0, w);
-          const T* t = tables + rn[k] * D + c0;
-          const A s = sn[k];
-          if (w == kCols) {
+  for_token_units(rows, N, K, D, int64_t(sizeof(T)), [=](int64_t n, int64_t cb, int64_t ce, const int64_t* rnext) {
+    const int64_t* rn = rows + n * K;
+    const A* sn = scores + n * K;
+    for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
+      const int64_t w = std::min(kCols, ce - c0);
+      A acc[kCols];
+      for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
+      for (int64_t k = 0; k < K; ++k) {
+        int64_t pw = 0;
+        if (const T* p = span_ahead(tables, D, rn, rnext, K, k, c0, cb, ce, pw)) prefetch_span(p, pw);
+        const T* t = tables + rn[k] * D + c0;
+        const A s = sn[k];
+        if (w == kCols) {
 #pragma omp simd
-            for (int64_t j = 0; j < kCols; ++j) acc[j] += s * to_acc(t[j]);
-          } else {
-            for (int64_t j = 0; j < w; ++j) acc[j] += s * to_acc(t[j]);
-          }
+          for (int64_t j = 0; j < kCols; ++j) acc[j] += s * to_acc(t[j]);
+        } else {
+          for (int64_t j = 0; j < w; ++j) acc[j] += s * to_acc(t[j]);
         }
-        T* o = out + n * D + c0;   // accumulated in A, stored in the tables' dtype
-        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
       }
+      T* o = out + n * D + c0;   // accumulated in A, stored in the tables' dtype
+      for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(acc[j]);
     }
   });
 }
@@ -1566,50 +1610,50 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
-// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead (this token's or
-// the next one's) prefetched. Plain loops that the compiler vectorises, converting the codes in registers (GCC for
-// AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add per 16 codes). This is about
-// 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so quantization.py uses FBGEMM
-// beyond a few tokens; at one token the rows' reads dominate and this pass, which issues them at once with no
-// per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
+// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead prefetched, the
+// units split over the threads as for_token_units says. Plain loops that the compiler vectorises, converting the
+// codes in registers (GCC for AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add
+// per 16 codes). This is about 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so
+// quantization.py uses FBGEMM beyond a few tokens; at one token the rows' reads dominate and this pass, which issues
+// them at once with no per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
 void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
                        const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
   const int64_t W = D + kInt8RowBytes;
-  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t* rn = rows + n * K;
-      const float* wn = weights + n * K;
-      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
-      const float off = token_offset[n];
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        float acc[kCols];
-        for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
-        int64_t k = 0;
-        for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
-          for (int64_t i = 0; i < kInt8Rows; ++i)
-            if (k + i + kAhead < ahead_limit) prefetch_span(packed + rn[k + i + kAhead] * W + c0, w);
-          const uint8_t* q0 = packed + rn[k] * W + c0;
-          const uint8_t* q1 = packed + rn[k + 1] * W + c0;
-          const uint8_t* q2 = packed + rn[k + 2] * W + c0;
-          const uint8_t* q3 = packed + rn[k + 3] * W + c0;
-          const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
-          if (w == kCols) {
+  for_token_units(rows, N, K, D, 1, [=](int64_t n, int64_t cb, int64_t ce, const int64_t* rnext) {
+    const int64_t* rn = rows + n * K;
+    const float* wn = weights + n * K;
+    const float off = token_offset[n];
+    const auto prefetch = [=](int64_t k, int64_t c0) {
+      int64_t pw = 0;
+      if (const uint8_t* p = span_ahead(packed, W, rn, rnext, K, k, c0, cb, ce, pw)) prefetch_span(p, pw);
+    };
+    for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
+      const int64_t w = std::min(kCols, ce - c0);
+      float acc[kCols];
+      for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
+      int64_t k = 0;
+      for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
+        for (int64_t i = 0; i < kInt8Rows; ++i) prefetch(k + i, c0);
+        const uint8_t* q0 = packed + rn[k] * W + c0;
+        const uint8_t* q1 = packed + rn[k + 1] * W + c0;
+        const uint8_t* q2 = packed + rn[k + 2] * W + c0;
+        const uint8_t* q3 = packed + rn[k + 3] * W + c0;
+        const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
+        if (w == kCols) {
 #pragma omp simd
-            for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
-          } else {
-            for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
-          }
+          for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
+        } else {
+          for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
         }
-        for (; k < K; ++k) {
-          if (k + kAhead < ahead_limit) prefetch_span(packed + rn[k + kAhead] * W + c0, w);
-          const uint8_t* q = packed + rn[k] * W + c0;
-          const float s = wn[k];
-          for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
-        }
-        float* o = out + n * D + c0;
-        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
       }
+      for (; k < K; ++k) {
+        prefetch(k, c0);
+        const uint8_t* q = packed + rn[k] * W + c0;
+        const float s = wn[k];
+        for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
+      }
+      float* o = out + n * D + c0;
+      for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
     }
   });
 }

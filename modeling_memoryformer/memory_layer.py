@@ -12,6 +12,7 @@ from .memory_ops import (
     check_hash_parameters,
     hash_codes,
     hash_scores,
+    inference_lookup,
     memory_lookup,
     memory_lookup_hashed,
     num_tables_for,
@@ -221,6 +222,9 @@ class MemoryLayer(nn.Module):
                 codes, scale, offset, block = self._int8_tables()
                 return int8_memory_lookup(x, codes, scale, offset, self.bias, self.hash_bits, self.score,
                                           self.temperature, block)
+            if (y := inference_lookup(x, self.tables, self.bias, self.hash_bits, self.score,
+                                              self.temperature)) is not None:
+                return y  # generation: the same ops without the general path's checks (see inference_lookup)
             return memory_lookup(x, self.tables, self.bias, self.hash_bits, self.score, self.temperature,
                                  self.sparse)
         rows, scores = hashed

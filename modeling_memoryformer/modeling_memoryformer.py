@@ -136,13 +136,20 @@ def apply_rotary_pos_emb_(q, k, cos, sin, unsqueeze_dim: int = 1):
     not copied (for inference, where q and k are views of the Q/K/V layer's fresh output: at 2048 tokens the copy
     and the first-touch faults of two new [batch, heads, seq, head_dim] tensors per layer cost more than the
     rotation itself)."""
+    for x in (q, k):
+        rotate_in_place_(x, cos, sin, unsqueeze_dim)
+    return q, k
+
+
+def rotate_in_place_(x, cos, sin, unsqueeze_dim: int = 1):
+    """The rotation of `apply_rotary_pos_emb` on the first cos.shape[-1] dims of x, in place, the same values
+    element by element. The attention passes its Q and K heads as one [batch, seq, 2 * heads, head_dim] view of the
+    Q/K/V output (unsqueeze_dim=2): one pass of the few ops instead of two, which counts in a decode step."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    rotary_dim = cos.shape[-1]
-    for x in (q, k):
-        x_rot = x[..., :rotary_dim]
-        x_rot.copy_((x_rot * cos) + (rotate_half(x_rot) * sin))
-    return q, k
+    x_rot = x[..., : cos.shape[-1]]
+    x_rot.copy_((x_rot * cos) + (rotate_half(x_rot) * sin))
+    return x
 
 
 def eager_attention_forward(
@@ -210,15 +217,17 @@ class MemoryFormerAttention(nn.Module):
         hidden_shape = (*input_shape, self.config.num_attention_heads, self.head_dim)  # explicit: a batch may be empty
 
         qkv = self.query_key_value(hidden_states)  # [batch, seq, 3 * hidden]
+        cos, sin = position_embeddings
+        rotate_in_place = not (qkv.requires_grad or self._qkv_observed())
+        if rotate_in_place:  # inference: rotate inside the fresh Q/K/V output, Q and K heads in one pass
+            hidden = self.config.hidden_size
+            qk_shape = (*input_shape, 2 * self.config.num_attention_heads, self.head_dim)
+            rotate_in_place_(qkv[..., : 2 * hidden].view(qk_shape), cos, sin, unsqueeze_dim=2)
         query_states, key_states, value_states = (
             t.view(hidden_shape).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
         )  # each [batch, heads, seq, head_dim]
-
-        cos, sin = position_embeddings
-        if qkv.requires_grad or self._qkv_observed():
+        if not rotate_in_place:
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        else:  # inference: rotate inside the fresh Q/K/V output instead of building new tensors
-            query_states, key_states = apply_rotary_pos_emb_(query_states, key_states, cos, sin)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -300,13 +309,18 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
             past_key_values=past_key_values,
             **kwargs,
         )
-        attn_output = self.post_attention_dropout(attn_output)
+        if self.training:  # dropout is the identity in eval: not called at all there (a decode step calls it often)
+            attn_output = self.post_attention_dropout(attn_output)
         if self.use_parallel_residual:  # y = x + Attn(N1(x)) + MB(N2(x))
             block_output = self.memory_block(self.post_attention_layernorm(hidden_states))
-            return hidden_states + attn_output + self.post_memory_dropout(block_output)
+            if self.training:
+                block_output = self.post_memory_dropout(block_output)
+            return hidden_states + attn_output + block_output
         hidden_states = hidden_states + attn_output  # h = x + Attn(N1(x)); y = h + MB(N2(h))
         block_output = self.memory_block(self.post_attention_layernorm(hidden_states))
-        return hidden_states + self.post_memory_dropout(block_output)
+        if self.training:
+            block_output = self.post_memory_dropout(block_output)
+        return hidden_states + block_output
 
 
 class CheckpointMismatchError(ValueError):

@@ -18,6 +18,9 @@ running release's own interfaces.
   the new keys and values into the paged cache moved: up to 5.23 the attention function does (it takes the cache in
   its keywords), from 5.24 the model does (`cache.update(..., kwargs=kwargs)`). `update_kv_cache` asks the attention
   function in use, once, which it does (`_attention_updates_paged_cache`).
+- Compiled decoding: `generate` compiles the decode step by itself over a static KV cache on GPUs only; on the CPU
+  it does when the `CompileConfig` carries the private flag `_compile_all_devices` (present from the oldest supported
+  release to the newest). `compiled_decode_kwargs` sets it, and is the one place that names it.
 """
 
 import dataclasses
@@ -200,3 +203,22 @@ def deprecated_cache_name(forward):
         return forward(*args, **kwargs) if "cache" in kwargs else renamed(*args, **kwargs)
 
     return wrapper
+
+
+def compiled_decode_kwargs(device: str | torch.device = "cpu", fullgraph: bool = True) -> dict:
+    """`generate` keywords that run the decode step compiled by torch.compile over a static KV cache, on any device:
+
+        model.generate(ids, max_new_tokens=64, **compiled_decode_kwargs())
+        pipeline("text-generation", model=model, tokenizer=tok)(text, **compiled_decode_kwargs())
+
+    The same greedy tokens as the eager decode (tests/model/test_generation.py). The first call compiles (about 30 s
+    for MF-tiny, minutes for MF-base on 2 CPU cores); later calls with the same batch size and cache length reuse it.
+    On the CPU Inductor's C++ code runs the small ops between the Memory Layers' lookups and the LM head as a few
+    fused loops instead of hundreds of dispatches per step; CUDA graphs ("reduce-overhead", transformers' default)
+    are kept on GPUs only."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    on_gpu = torch.device(device).type == "cuda"
+    config = CompileConfig(fullgraph=fullgraph, mode="reduce-overhead" if on_gpu else "default")
+    config._compile_all_devices = True  # generate's own test: compile on the CPU too
+    return {"cache_implementation": "static", "compile_config": config}

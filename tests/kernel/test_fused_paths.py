@@ -89,6 +89,29 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
     assert_forward_matches_oracle(y, rows, scores, tables, bias, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "n, num_tables, hash_bits, out_features",
+    [(1, 64, 4, 1000), (1, 128, 2, 3072), (3, 64, 4, 1536), (2, 16, 3, 4100)],
+)
+def test_token_kernel_splits_columns_over_threads_with_the_same_bits(n, num_tables, hash_bits, out_features, dtype):
+    """Fewer tokens than threads (a decode step): the token-major pass splits each token's columns over the threads
+    (ranges of whole register spans, the last one ragged). Each column is summed over the same rows in the same order
+    whatever the split, so 1, 2, 3 and 5 threads give the same bits, and the float64 oracle holds."""
+    rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            results[threads] = ops().lookup_strategy(rows, scores, tables, bias, 2**hash_bits, "token")
+    finally:
+        torch.set_num_threads(before)
+    assert_forward_matches_oracle(results[1], rows, scores, tables, bias, dtype)
+    for threads, y in results.items():
+        assert torch.equal(y, results[1]), f"{threads} threads changed the sums"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize(

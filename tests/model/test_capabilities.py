@@ -23,7 +23,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from conftest import require_kernel, tiny_model
-from modeling_memoryformer import configuration_memoryformer, memory_ops, modeling_memoryformer
+from modeling_memoryformer import compiled_decode_kwargs, configuration_memoryformer, memory_ops, modeling_memoryformer
 from modeling_memoryformer.modeling_memoryformer import (
     MemoryFormerAttention,
     MemoryFormerDecoderLayer,
@@ -110,7 +110,8 @@ def test_registered_attention_backend_is_used():
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_static_cache_generate_compiled_fullgraph_matches_eager(kernel):
     """`_can_compile_fullgraph`: greedy tokens with a StaticCache, (a) compiled automatically by `generate` with a
-    fullgraph CompileConfig, (b) with `model.forward` compiled fullgraph, equal eager's (DynamicCache) tokens."""
+    fullgraph CompileConfig (aot_eager, and Inductor through `compiled_decode_kwargs`), (b) with `model.forward`
+    compiled fullgraph, equal eager's (DynamicCache) tokens in float32."""
     require_kernel(kernel)
     torch._dynamo.reset()
     model = tiny_model()
@@ -123,12 +124,15 @@ def test_static_cache_generate_compiled_fullgraph_matches_eager(kernel):
         auto = model.generate(PROMPT, max_new_tokens=6, do_sample=False, cache_implementation="static",
                               compile_config=config)
         assert hasattr(model, "_compiled_call")  # generate did compile the decoding step
+        torch._dynamo.reset()
+        inductor = model.generate(PROMPT, max_new_tokens=6, do_sample=False, **compiled_decode_kwargs())
         model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
         compiled = model.generate(PROMPT, max_new_tokens=6, do_sample=False, cache_implementation="static",
                                   disable_compile=True)
     torch._dynamo.reset()
     assert torch.equal(static, eager)
     assert torch.equal(auto, eager)
+    assert torch.equal(inductor, eager)  # the documented fast path (Inductor's C++ on the CPU), float32
     assert torch.equal(compiled, eager)
 
 

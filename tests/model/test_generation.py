@@ -139,3 +139,43 @@ def test_text_generation_pipeline_with_a_tiny_tokenizer():
     assert new_text.split() == expected
     full_text = generator(text, max_new_tokens=6, do_sample=False)[0]["generated_text"]
     assert full_text.startswith(text) and full_text.endswith(new_text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("table_dtype", [None, "bfloat16"], ids=["model-dtype tables", "bfloat16 tables"])
+def test_decode_fast_path_gives_the_general_paths_logits_and_tokens(dtype, table_dtype, monkeypatch):
+    """Generation takes `memory_ops.inference_lookup` (the fused hash and lookup ops without the general path's
+    checks) and rotates Q and K in one in-place pass: the same ops on the same operands, so the logits are the same
+    bits and greedy decoding the same tokens as with the general path, in float32 and bfloat16. Oracle: the general
+    path itself (`inference_lookup` answering None), and for the rotation the out-of-place `apply_rotary_pos_emb`,
+    which a forward hook on the Q/K/V layer selects."""
+    from conftest import require_kernel
+    from modeling_memoryformer import memory_layer
+
+    require_kernel("fused")
+    model = tiny_model(dtype=dtype, table_dtype=table_dtype)
+    prompt = torch.tensor([[5, 17, 99, 42, 8, 63, 120], [3, 1, 4, 1, 5, 9, 2]])
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
+                  output_scores=True, return_dict_in_generate=True)
+    fast_calls = []
+    fast = memory_layer.inference_lookup
+
+    def counted(*args):
+        y = fast(*args)
+        fast_calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(memory_layer, "inference_lookup", counted)
+    with torch.inference_mode():
+        quick = model.generate(prompt, **kwargs)
+    assert fast_calls and all(fast_calls)  # every Memory Layer call took it
+    monkeypatch.setattr(memory_layer, "inference_lookup", lambda *args: None)
+    hooks = [layer.attention.query_key_value.register_forward_hook(lambda *a: None) for layer in model.model.layers]
+    with torch.inference_mode():
+        general = model.generate(prompt, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(quick.sequences, general.sequences)
+    for a, b in zip(quick.scores, general.scores):
+        assert torch.equal(a, b)
+    assert len(set(quick.sequences[0, prompt.shape[1]:].tolist())) > 1

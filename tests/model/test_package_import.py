@@ -49,10 +49,10 @@ print(type(config).__name__, type(model).__name__, type(model).__module__, type(
 
 
 def test_every_public_name_is_the_object_of_its_module():
-    from modeling_memoryformer import configuration_memoryformer, memory_ops
+    from modeling_memoryformer import configuration_memoryformer, memory_ops, transformers_compat
     from modeling_memoryformer import modeling_memoryformer as modeling
 
-    modules = (configuration_memoryformer, memory_ops, modeling)
+    modules = (configuration_memoryformer, memory_ops, modeling, transformers_compat)
     for name in modeling_memoryformer.__all__:
         value = getattr(modeling_memoryformer, name)
         assert any(getattr(module, name, None) is value for module in modules), name

@@ -217,6 +217,8 @@ INT8_SHAPES = [  # (tokens, tables, rows per table, d): one token, spans whole a
     (5, 4, 16, 30),  # d not a multiple of 4: the scale and offset are unaligned
     (37, 4, 16, 100),
     (130, 8, 16, 776),
+    (1, 64, 256, 1536),  # a decode step's Q/K/V rows: the columns split over the threads
+    (2, 64, 16, 1000),  # as many columns split per token, ragged
 ]
 
 
@@ -238,6 +240,25 @@ def test_fused_int8_lookup_matches_the_float64_formula_and_fbgemm(tokens, tables
     if bias is not None:
         fbgemm = fbgemm + bias
     assert bool(((fused.double() - fbgemm.double()).abs() <= 2e-6 * size + 2e-7).all())
+
+
+def test_fused_int8_lookup_gives_the_same_bits_on_any_number_of_threads():
+    """One token's columns split over 1, 2, 3 or 5 threads: each column is summed in the same order, same bits."""
+    require_kernel("fused")
+    g = torch.Generator().manual_seed(7)
+    packed = packed_block(64 * 64, 1000, seed=3)
+    rows = torch.randint(0, 64, (1, 64), generator=g) + torch.arange(64) * 64
+    scores = torch.rand(1, 64, generator=g)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            results.append(torch.ops.memoryformer.int8_lookup(rows, scores, packed, None, 64))
+    finally:
+        torch.set_num_threads(before)
+    expected, size = int8_formula(rows, scores, packed, None)
+    assert bool(((results[0].double() - expected).abs() <= 1e-6 * size + 1e-7).all())
+    assert all(torch.equal(y, results[0]) for y in results[1:])
 
 
 def test_the_rule_takes_the_fused_pass_for_few_tokens_and_fbgemm_beyond(monkeypatch):

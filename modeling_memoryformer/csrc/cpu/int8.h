@@ -48,50 +48,50 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
-// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead (this token's or
-// the next one's) prefetched. Plain loops that the compiler vectorises, converting the codes in registers (GCC for
-// AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add per 16 codes). This is about
-// 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so quantization.py uses FBGEMM
-// beyond a few tokens; at one token the rows' reads dominate and this pass, which issues them at once with no
-// per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
+// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead prefetched, the
+// units split over the threads as for_token_units says. Plain loops that the compiler vectorises, converting the
+// codes in registers (GCC for AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add
+// per 16 codes). This is about 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so
+// quantization.py uses FBGEMM beyond a few tokens; at one token the rows' reads dominate and this pass, which issues
+// them at once with no per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
 void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
                        const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
   const int64_t W = D + kInt8RowBytes;
-  parallel_tokens(N, N * K * D, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t* rn = rows + n * K;
-      const float* wn = weights + n * K;
-      const int64_t ahead_limit = (n + 1 < end ? 2 * K : K);
-      const float off = token_offset[n];
-      for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-        const int64_t w = std::min(kCols, D - c0);
-        float acc[kCols];
-        for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
-        int64_t k = 0;
-        for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
-          for (int64_t i = 0; i < kInt8Rows; ++i)
-            if (k + i + kAhead < ahead_limit) prefetch_span(packed + rn[k + i + kAhead] * W + c0, w);
-          const uint8_t* q0 = packed + rn[k] * W + c0;
-          const uint8_t* q1 = packed + rn[k + 1] * W + c0;
-          const uint8_t* q2 = packed + rn[k + 2] * W + c0;
-          const uint8_t* q3 = packed + rn[k + 3] * W + c0;
-          const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
-          if (w == kCols) {
+  for_token_units(rows, N, K, D, 1, [=](int64_t n, int64_t cb, int64_t ce, const int64_t* rnext) {
+    const int64_t* rn = rows + n * K;
+    const float* wn = weights + n * K;
+    const float off = token_offset[n];
+    const auto prefetch = [=](int64_t k, int64_t c0) {
+      int64_t pw = 0;
+      if (const uint8_t* p = span_ahead(packed, W, rn, rnext, K, k, c0, cb, ce, pw)) prefetch_span(p, pw);
+    };
+    for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
+      const int64_t w = std::min(kCols, ce - c0);
+      float acc[kCols];
+      for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
+      int64_t k = 0;
+      for (; k + kInt8Rows <= K; k += kInt8Rows) {   // kInt8Rows rows per pass over the sums
+        for (int64_t i = 0; i < kInt8Rows; ++i) prefetch(k + i, c0);
+        const uint8_t* q0 = packed + rn[k] * W + c0;
+        const uint8_t* q1 = packed + rn[k + 1] * W + c0;
+        const uint8_t* q2 = packed + rn[k + 2] * W + c0;
+        const uint8_t* q3 = packed + rn[k + 3] * W + c0;
+        const float s0 = wn[k], s1 = wn[k + 1], s2 = wn[k + 2], s3 = wn[k + 3];
+        if (w == kCols) {
 #pragma omp simd
-            for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
-          } else {
-            for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
-          }
+          for (int64_t j = 0; j < kCols; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
+        } else {
+          for (int64_t j = 0; j < w; ++j) acc[j] = add_codes4(acc[j], s0, s1, s2, s3, q0[j], q1[j], q2[j], q3[j]);
         }
-        for (; k < K; ++k) {
-          if (k + kAhead < ahead_limit) prefetch_span(packed + rn[k + kAhead] * W + c0, w);
-          const uint8_t* q = packed + rn[k] * W + c0;
-          const float s = wn[k];
-          for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
-        }
-        float* o = out + n * D + c0;
-        for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
       }
+      for (; k < K; ++k) {
+        prefetch(k, c0);
+        const uint8_t* q = packed + rn[k] * W + c0;
+        const float s = wn[k];
+        for (int64_t j = 0; j < w; ++j) acc[j] += s * float(q[j]);
+      }
+      float* o = out + n * D + c0;
+      for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
     }
   });
 }

@@ -1,0 +1,524 @@
+"""Decode at the memory bound: MF-<preset> against its Pythia-shaped twin, each step's tokens/s beside the bytes that
+step must read and the machine's stream bandwidth measured in the same run.
+
+    python -m benchmarks.decode_bench                                  # MF-tiny, -small, -base; bf16 and int8
+    python -m benchmarks.decode_bench --presets tiny --storage bf16 --batches 1 --paths eager
+
+What a decode step must read (computed from the model, `step_bytes`): the K table rows of every Memory Layer for
+every sequence of the batch (int8: the codes and their row scale and offset), the LM head whole (both models: the
+few-row pass reads it once for up to 4 sequences), every other weight matrix whole (the twin), norms, biases, one
+embedding row per sequence, and the KV cache each sequence attends over (its mean length over the timed steps).
+Efficiency = bytes per step x steps per second / the stream bandwidth (`torch.sum` over a buffer far beyond the
+caches, all threads, the best of a few, measured in the same worker before and after the timing): the fraction of
+the machine's memory speed the step reaches. 1.0 is the bound; a latency-bound gather of scattered rows cannot
+quite reach it.
+
+The step time is read inside one `generate` call: a logits processor records the time of every step, and the median
+interval between consecutive steps after the first (which follows the prefill) is the step time. So the prefill
+and `generate`'s setup are out of it, and what is timed is what a user's `generate` spends per token.
+
+Paths (both models take each):
+- eager: `generate` with the dynamic KV cache, as transformers runs by default.
+- compiled: `generate(cache_implementation="static", compile_config=CompileConfig(...))`: the decode step compiled
+  by torch.compile (Inductor's C++ backend on the CPU) over a static KV cache (`modeling_memoryformer.compiled_decode_kwargs`).
+  Its first call compiles; the timing is of later calls. The greedy tokens are checked against the eager path's.
+
+Storage: bf16 (every parameter bfloat16, both models) and int8 (MemoryFormer: int8 tables and int8 LM head, the rest
+float32; the twin: PyTorch's dynamic int8 Linear for every nn.Linear, the LM head included, the rest float32).
+
+Each cell runs in a fresh subprocess, so its peak RSS (VmHWM: build + decode) is its own. MemoryFormer and its twin
+are built on the meta device and materialised in their storage dtype (`build_in_dtype`): MF-base in bf16 never
+exists in float32 (13.5 GB instead of 27).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from .common import (
+    GB,
+    MB,
+    NOISY_CORES,
+    REPO_ROOT,
+    cpu_snapshot,
+    environment,
+    memory_stream_gbps,
+    other_cores_since,
+    peak_rss_bytes,
+)
+
+PRESETS = ("tiny", "small", "base")
+STORAGES = ("bf16", "int8")
+PATHS = ("eager", "compiled")
+MF_NAMES = {"tiny": "MF-tiny", "small": "MF-small", "base": "MF-base"}
+TWIN_NAMES = {"tiny": "Pythia-70M-shaped twin", "small": "Pythia-160M-shaped twin", "base": "Pythia-410M-shaped twin"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models, built in their storage dtype
+
+
+def model_config(kind: str, preset: str, storage: str):
+    from .model_bench import ModelSpec
+    from .model_bench import model_config as bench_config
+
+    config = bench_config(kind, preset, ModelSpec())
+    if kind == "mf" and storage == "int8":
+        config.table_dtype = "int8"
+        config.lm_head_dtype = "int8"
+        config.tie_word_embeddings = False
+    return config
+
+
+def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
+    """The model on the meta device, materialised on the CPU in its storage dtype and initialised there (bf16: every
+    tensor bfloat16 from the start; int8: float32 except MemoryFormer's int8 tables and head; the twin's linears are
+    then swapped for dynamic int8 ones, one at a time, so the float32 twin exists once)."""
+    from transformers import GPTNeoXForCausalLM
+
+    from modeling_memoryformer import MemoryFormerForCausalLM
+
+    config = model_config(kind, preset, storage)
+    cls = MemoryFormerForCausalLM if kind == "mf" else GPTNeoXForCausalLM
+    dtype = torch.bfloat16 if storage == "bf16" else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+        for module in model.modules():  # the init skips buffers: the rotary tables are recomputed on the CPU
+            if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn") or type(module).__name__.endswith(
+                    "RotaryEmbedding"):
+                _reset_rotary(module, model.config)
+    model.eval()
+    if kind == "twin" and storage == "int8":
+        model = dynamic_int8_in_place(model)
+    return model
+
+
+def _reset_rotary(module, config) -> None:
+    """Recompute a rotary embedding's inv_freq (a buffer `to_empty` left uninitialised)."""
+    if hasattr(module, "compute_default_rope_parameters"):
+        inv_freq, scaling = module.compute_default_rope_parameters(config, device="cpu")
+    else:
+        inv_freq, scaling = module.rope_init_fn(module.config, "cpu")
+    module.inv_freq = inv_freq.to(module.inv_freq.dtype) if module.inv_freq.is_floating_point() else inv_freq
+    if hasattr(module, "original_inv_freq"):
+        module.original_inv_freq = module.inv_freq
+    module.attention_scaling = scaling
+
+
+def dynamic_int8_in_place(model):
+    """Every nn.Linear (the LM head too) swapped for PyTorch's dynamic int8 Linear, module by module."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch.ao's quantized modules are deprecated (still PyTorch's int8 Linear)
+        warnings.simplefilter("ignore")
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+        from torch.ao.quantization import default_dynamic_qconfig
+
+        for name, module in list(model.named_modules()):
+            if type(module) is torch.nn.Linear:
+                module.qconfig = default_dynamic_qconfig
+                parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+                setattr(parent, name.rpartition(".")[2], DynamicLinear.from_float(module))
+                del module
+                gc.collect()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a step reads
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def step_bytes(model, batch: int, context: float) -> dict:
+    """Bytes one decode step reads, by part: `batch` sequences, each attending over `context` cached positions.
+
+    MemoryFormer: per Memory Layer and sequence, its K rows (d_out values each, int8: d_out codes + 8 bytes of scale
+    and offset) and its bias; the twin: every weight matrix whole (a dynamic int8 Linear: its int8 weight, scales and
+    bias). Both: the LM head whole once per step, norms, one embedding row per sequence, and the KV cache of every
+    attention layer (keys and values, `context` positions each, in the cache's dtype)."""
+    from modeling_memoryformer.memory_layer import MemoryLayer
+
+    parts = {"rows": 0, "weights": 0, "head": 0, "norms": 0, "embedding": 0, "kv_cache": 0}
+    config = model.config
+    head = model.get_output_embeddings()
+    counted: set[int] = set()
+
+    def once(t) -> int:
+        if t is None or id(t) in counted:
+            return 0
+        counted.add(id(t))
+        return _tensor_bytes(t)
+
+    for name, module in model.named_modules():
+        if isinstance(module, MemoryLayer):
+            if module.tables is not None:
+                row = module.out_features * module.tables.element_size()
+            else:
+                row = module.tables_codes.shape[1] + 8  # codes + float32 scale and offset
+            parts["rows"] += batch * module.num_tables * row
+            parts["rows"] += once(module.bias)
+            counted.update(id(t) for t in (module.tables, getattr(module, "tables_codes", None)) if t is not None)
+        elif module is head or name.endswith("lm_head") or name.endswith("embed_out"):
+            parts["head"] += sum(_module_weight_bytes(module))
+            counted.update(id(p) for p in module.parameters())
+        elif isinstance(module, torch.nn.Embedding):
+            parts["embedding"] += batch * module.weight.shape[1] * module.weight.element_size()
+            counted.add(id(module.weight))
+        elif isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__:
+            parts["norms"] += sum(once(p) for p in module.parameters(recurse=False))
+        elif _is_linear(module):
+            parts["weights"] += sum(_module_weight_bytes(module))
+            counted.update(id(p) for p in module.parameters())
+    kv_dtype = _kv_dtype(model)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    parts["kv_cache"] = int(batch * 2 * layers * context * hidden * torch.empty((), dtype=kv_dtype).element_size())
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _is_linear(module) -> bool:
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Linear" and hasattr(module, "_packed_params")
+
+
+def _module_weight_bytes(module) -> list[int]:
+    """The bytes of a linear-like module's weight and bias: float, the MemoryFormer int8 head, or torch.ao's dynamic
+    int8 Linear (int8 weight + one float32 scale per output row + bias)."""
+    if hasattr(module, "_packed_params"):
+        weight, bias = module._packed_params._weight_bias()
+        scales = weight.q_per_channel_scales() if weight.qscheme() in (torch.per_channel_affine,
+                                                                        torch.per_channel_symmetric) else None
+        return [weight.numel(), 4 * weight.shape[0] if scales is not None else 8, _tensor_bytes(bias)]
+    return [_tensor_bytes(t) for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))]
+
+
+def _kv_dtype(model) -> torch.dtype:
+    """The dtype the KV cache holds: the attention input's, i.e. the model's float dtype (an int8-table model
+    computes in float32)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dim() == 1:  # a norm weight: the activations' dtype
+            return p.dtype
+    return torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Timing one cell (in its own process)
+
+
+class StepClock:
+    """A logits processor that records when each decode step reaches the logits (it changes nothing)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def step_seconds(self) -> list[float]:
+        """Intervals between consecutive steps, the first (after the prefill) left out."""
+        return [b - a for a, b in zip(self.times[1:], self.times[2:])]
+
+
+def generate_kwargs(path: str) -> dict:
+    from modeling_memoryformer import compiled_decode_kwargs
+
+    return compiled_decode_kwargs() if path == "compiled" else {}
+
+
+def run_cell(job: dict) -> dict:
+    """Build one model, time its decode at every batch size, and report (in this process)."""
+    from transformers import LogitsProcessorList
+
+    torch.set_num_threads(job["threads"])
+    kind, preset, storage, path = job["kind"], job["preset"], job["storage"], job["path"]
+    started = time.perf_counter()
+    model = build_in_dtype(kind, preset, storage, seed=job["seed"])
+    build_s = time.perf_counter() - started
+    # No end-of-sequence token: every call runs all its steps without `min_new_tokens`, whose processor scans the
+    # whole vocabulary every step (0.4 ms on MF-tiny, not the model's time); random weights could emit one.
+    model.generation_config.eos_token_id = None
+    result = {**job, "build_s": round(build_s, 1), "params": sum(p.numel() for p in model.parameters()),
+              "batches": {}}
+    gen = torch.Generator().manual_seed(job["seed"])
+    streams = [memory_stream_gbps()]
+    kwargs = generate_kwargs(path)
+    for batch in job["batches"]:
+        prompt = torch.randint(0, model.config.vocab_size - 1, (batch, job["prompt_tokens"]), generator=gen)
+        new = job["new_tokens"]
+        common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        cell: dict = {}
+        with torch.inference_mode():
+            if path != "eager":  # the eager tokens, to check the fast path against
+                eager = model.generate(prompt, **common)
+            steps, cores = [], []
+            for i in range(job["warmup"] + job["repeats"]):
+                clock = StepClock()
+                before = cpu_snapshot()
+                out = model.generate(prompt, logits_processor=LogitsProcessorList([clock]), **common, **kwargs)
+                if i >= job["warmup"]:
+                    steps += clock.step_seconds()
+                    cores.append(other_cores_since(before))
+                if out.shape[1] != prompt.shape[1] + new:
+                    raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens, expected {new}")
+            if path != "eager":
+                cell["same_tokens_as_eager"] = bool(torch.equal(out, eager))
+        step = statistics.median(steps)
+        context = job["prompt_tokens"] + new / 2  # mean cached positions a timed step attends over
+        cell.update(step_ms=round(step * 1e3, 3), tokens_per_s=round(batch / step, 2),
+                    step_ms_p90=round(sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3, 3),
+                    bytes=step_bytes(model, batch, context),
+                    other_cores=max((c for c in cores if c is not None), default=None))
+        result["batches"][str(batch)] = cell
+    streams.append(memory_stream_gbps())
+    result["stream_gbps"] = max(streams)
+    result["stream_gbps_all"] = streams
+    for cell in result["batches"].values():
+        cell["gbps"] = round(cell["bytes"]["total"] / (cell["step_ms"] / 1e3) / 1e9, 2)
+        cell["efficiency"] = round(cell["gbps"] / result["stream_gbps"], 3)
+    result["peak_rss_gb"] = round(peak_rss_bytes() / GB, 2)
+    return result
+
+
+def _worker_main() -> int:
+    job = json.loads(sys.argv[2])
+    try:
+        print(json.dumps(run_cell(job)))
+    except Exception as exc:  # reported in the results, not hidden
+        import traceback
+
+        traceback.print_exc()
+        print(json.dumps({**job, "error": f"{type(exc).__name__}: {exc}"}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
+    p.add_argument("--storage", nargs="+", choices=STORAGES, default=list(STORAGES))
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed generate calls first (the compiled path compiles)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core torch sees)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results", "decode"))
+    args = p.parse_args(argv)
+    if any(b < 1 for b in args.batches) or args.new_tokens < 3 or args.prompt_tokens < 1:
+        p.error("--batches must be >= 1, --new-tokens >= 3 (two timed intervals) and --prompt-tokens >= 1")
+    return args
+
+
+def jobs(args) -> list[dict]:
+    out = []
+    for preset in args.presets:
+        for storage in args.storage:
+            for path in args.paths:
+                for kind in ("mf", "twin"):
+                    out.append(dict(kind=kind, preset=preset, storage=storage, path=path, batches=args.batches,
+                                    prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                                    repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+                                    threads=args.threads or torch.get_num_threads()))
+    return out
+
+
+def run_job(job: dict, log=print) -> dict:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--worker", json.dumps(job)],
+                          cwd=REPO_ROOT, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        return {**job, "error": f"worker exited {proc.returncode} with no result: {tail}"}
+    result = json.loads(lines[-1])
+    if "error" in result:
+        log(proc.stderr[-3000:])
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def label(cell: dict) -> str:
+    name = MF_NAMES[cell["preset"]] if cell["kind"] == "mf" else TWIN_NAMES[cell["preset"]]
+    return f"{name} {cell['storage']} [{cell['path']}]"
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return _worker_main()
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    todo = jobs(args)
+    results = {"benchmark": "decode", "environment": environment(), "args": vars(args), "cells": []}
+    print(f"decode_bench: {len(todo)} cells (a fresh process each) -> {args.out}", flush=True)
+    for i, job in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {label(job)} ...", flush=True)
+        cell = run_job(job)
+        results["cells"].append(cell)
+        print("    " + _cell_line(cell), flush=True)
+        write(results, args.out)  # after every cell: an interrupted run keeps what it measured
+    print(f"wrote {', '.join(write(results, args.out))}")
+    return 0
+
+
+def _cell_line(cell: dict) -> str:
+    if "error" in cell:
+        return f"error: {cell['error'][:300]}"
+    parts = [f"built in {cell['build_s']} s, peak RSS {cell['peak_rss_gb']} GB, stream {cell['stream_gbps']} GB/s"]
+    for batch, b in cell["batches"].items():
+        same = "" if "same_tokens_as_eager" not in b else f", tokens {'==' if b['same_tokens_as_eager'] else '!='} eager"
+        parts.append(f"batch {batch}: {b['tokens_per_s']} tok/s, {b['step_ms']} ms/step, "
+                     f"{b['bytes']['total'] / MB:.1f} MB/step, {100 * b['efficiency']:.0f}% of stream{same}")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def pairs(results: dict):
+    """(mf cell, twin cell) for every preset, storage and path measured."""
+    cells = [c for c in results["cells"]]
+    for mf in (c for c in cells if c["kind"] == "mf"):
+        twin = next((c for c in cells if c["kind"] == "twin" and all(c[k] == mf[k] for k in
+                                                                     ("preset", "storage", "path"))), None)
+        yield mf, twin
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    args = results["args"]
+    lines = [
+        "# Decode against the memory bound",
+        "",
+        f"CPU: {env.get('cpu')}; {env.get('threads')} threads; torch {env.get('torch')}, transformers "
+        f"{env.get('transformers')}; {env.get('date', '')}.",
+        f"Prompt {args['prompt_tokens']} tokens, {args['new_tokens']} new tokens, greedy; step time: median interval "
+        f"between decode steps inside `generate` over {args['repeats']} calls.",
+        "Efficiency: bytes the step must read x steps/s / the stream bandwidth measured in the same process. "
+        "Peak RSS: the whole process (build + decode).",
+        "",
+        "| model | path | batch | tokens/s | ms/step | MB/step | GB/s | stream GB/s | efficiency | vs twin | "
+        "bound on ratio | peak RSS GB | build s | other cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mf, twin in pairs(results):
+        for cell, other in ((mf, twin), (twin, None)):
+            if cell is None:
+                continue
+            if "error" in cell:
+                lines.append(f"| {label(cell)} | {cell['path']} | | error: {cell['error'][:120]} |||||||||||")
+                continue
+            for batch, b in cell["batches"].items():
+                ratio = bound = ""
+                o = (other or {}).get("batches", {}).get(batch) if other and "error" not in other else None
+                if o:
+                    ratio = f"{b['tokens_per_s'] / o['tokens_per_s']:.2f}x"
+                    bound = f"{o['bytes']['total'] / b['bytes']['total']:.2f}x"
+                busy = b.get("other_cores")
+                busy_s = "" if busy is None else (f"**{busy:.2f} (busy)**" if busy > NOISY_CORES else f"{busy:.2f}")
+                lines.append(
+                    f"| {label(cell)} | {cell['path']} | {batch} | {b['tokens_per_s']:.1f} | {b['step_ms']:.2f} | "
+                    f"{b['bytes']['total'] / MB:.1f} | {b['gbps']:.1f} | {cell['stream_gbps']:.1f} | "
+                    f"{100 * b['efficiency']:.0f}% | {ratio} | {bound} | {cell['peak_rss_gb']:.1f} | "
+                    f"{cell['build_s']:.0f} | {busy_s} |")
+    lines += ["", "Bytes per step by part (batch 1): rows / weights / head / norms / embedding / KV cache, MB", ""]
+    for cell in results["cells"]:
+        if "error" in cell or "1" not in cell["batches"]:
+            continue
+        b = cell["batches"]["1"]["bytes"]
+        lines.append(f"- {label(cell)}: " + " / ".join(f"{b[k] / MB:.2f}" for k in
+                                                       ("rows", "weights", "head", "norms", "embedding", "kv_cache")))
+    lines += ["", "\"vs twin\": MemoryFormer's tokens/s over its twin's on the same path, storage and batch; \"bound on "
+              "ratio\": the twin's bytes per step over MemoryFormer's, what the ratio would be if both ran at the "
+              "same fraction of the stream."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cells = [c for c in results["cells"] if "error" not in c]
+    if not cells:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    names, eff, rates, colors = [], [], [], []
+    for c in cells:
+        for batch, b in c["batches"].items():
+            names.append(f"{label(c)} b{batch}")
+            eff.append(100 * b["efficiency"])
+            rates.append(b["tokens_per_s"])
+            colors.append("tab:blue" if c["kind"] == "mf" else "tab:gray")
+    y = range(len(names))
+    axes[0].barh(y, eff, color=colors)
+    axes[0].set_yticks(list(y), names, fontsize=7)
+    axes[0].axvline(100, color="k", lw=0.8)
+    axes[0].axvline(60, color="tab:red", lw=0.8, ls="--")
+    axes[0].set_xlabel("% of the measured stream bandwidth (bytes per step x steps/s)")
+    axes[0].invert_yaxis()
+    axes[1].barh(y, rates, color=colors)
+    axes[1].set_yticks(list(y), [""] * len(names))
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("tokens/s (log)")
+    axes[1].invert_yaxis()
+    env = results["environment"]
+    fig.suptitle(f"Decode: MemoryFormer (blue) vs Pythia-shaped twins (gray) - {env.get('cpu')}, "
+                 f"{env.get('threads')} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(results: dict, out: str) -> list[str]:
+    written = []
+    path = os.path.join(out, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+    written.append(path)
+    md = os.path.join(out, "results.md")
+    with open(md, "w") as f:
+        f.write(markdown(results))
+    written.append(md)
+    png = os.path.join(out, "decode.png")
+    if plot(results, png):
+        written.append(png)
+    return written
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,10 +34,9 @@ exists in float32 (13.5 GB instead of 27).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
+import functools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -255,6 +254,8 @@ def run_cell(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     kind, preset, storage, path = job["kind"], job["preset"], job["storage"], job["path"]
     started = time.perf_counter()
+    say = functools.partial(print, "   ", file=sys.stderr, flush=True)
+    say(f"building {label(job)} on the meta device, then in {storage} on the CPU")
     model = build_in_dtype(kind, preset, storage, seed=job["seed"])
     build_s = time.perf_counter() - started
     # No end-of-sequence token: every call runs all its steps without `min_new_tokens`, whose processor scans the
@@ -270,6 +271,8 @@ def run_cell(job: dict) -> dict:
         new = job["new_tokens"]
         common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
         cell: dict = {}
+        say(f"batch {batch}: {job['warmup']} + {job['repeats']} generate calls of {new} tokens"
+            + (" (the first compiles)" if path == "compiled" else ""))
         with torch.inference_mode():
             if path != "eager":  # the eager tokens, to check the fast path against
                 eager = model.generate(prompt, **common)
@@ -324,6 +327,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
     p.add_argument("--storage", nargs="+", choices=STORAGES, default=list(STORAGES))
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--compiled-storage", nargs="+", choices=STORAGES, default=["bf16"],
+                   help="storages the compiled path runs for (default bf16: the twin's dynamic int8 Linear does not "
+                        "compile to anything faster, and compiling is minutes per cell)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -343,6 +349,8 @@ def jobs(args) -> list[dict]:
     for preset in args.presets:
         for storage in args.storage:
             for path in args.paths:
+                if path == "compiled" and storage not in args.compiled_storage:
+                    continue
                 for kind in ("mf", "twin"):
                     out.append(dict(kind=kind, preset=preset, storage=storage, path=path, batches=args.batches,
                                     prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
@@ -351,17 +359,15 @@ def jobs(args) -> list[dict]:
     return out
 
 
-def run_job(job: dict, log=print) -> dict:
+def run_job(job: dict) -> dict:
     started = time.perf_counter()
+    # the worker's progress and errors go to this terminal as they happen; its result comes back on stdout
     proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--worker", json.dumps(job)],
-                          cwd=REPO_ROOT, capture_output=True, text=True)
+                          cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        tail = (proc.stderr or proc.stdout)[-2000:]
-        return {**job, "error": f"worker exited {proc.returncode} with no result: {tail}"}
+        return {**job, "error": f"worker exited {proc.returncode} with no result (its error is printed above)"}
     result = json.loads(lines[-1])
-    if "error" in result:
-        log(proc.stderr[-3000:])
     result["wall_s"] = round(time.perf_counter() - started, 1)
     return result
 

@@ -383,7 +383,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     todo = jobs(args)
-    results = {"benchmark": "decode", "environment": environment(), "args": vars(args), "cells": []}
+    from modeling_memoryformer.cpu_facts import cpu_description
+
+    results = {"benchmark": "decode", "environment": {**environment(), "cpu_description": cpu_description()},
+               "args": vars(args), "cells": []}
     print(f"decode_bench: {len(todo)} cells (a fresh process each) -> {args.out}", flush=True)
     for i, job in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {label(job)} ...", flush=True)
@@ -425,7 +428,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# Decode against the memory bound",
         "",
-        f"CPU: {env.get('cpu')}; {env.get('threads')} threads; torch {env.get('torch')}, transformers "
+        f"CPU: {env.get('cpu_description', env.get('cpu'))}; {env.get('threads')} threads; torch {env.get('torch')}, transformers "
         f"{env.get('transformers')}; {env.get('date', '')}.",
         f"Prompt {args['prompt_tokens']} tokens, {args['new_tokens']} new tokens, greedy; step time: median interval "
         f"between decode steps inside `generate` over {args['repeats']} calls.",

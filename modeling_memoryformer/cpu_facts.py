@@ -34,6 +34,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_description() -> str:
+    """The CPU as a benchmark record should name it: the model name, the x86 family and model numbers (a KVM guest
+    often shows only "AMD EPYC"; family 25 model 1 is Zen 3, family 25 model 17 Zen 4) and the vector features."""
+    fields = {}
+    for line in cpuinfo_lines():
+        if ":" in line:
+            key, value = (part.strip() for part in line.split(":", 1))
+            fields.setdefault(key.lower(), value)
+    family = f", family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields else ""
+    return f"{cpu_model()}{family} ({', '.join(cpu_features()) or 'no vector features listed'})"
+
+
 def _flags_line() -> tuple[str, set[str]]:
     for line in cpuinfo_lines():
         key = line.split(":", 1)[0].strip().lower()

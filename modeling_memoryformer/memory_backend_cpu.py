@@ -321,8 +321,8 @@ def _compile(name: str, source: str, flags: list[str], trust_remembered_failure:
         raise _remembered_failure(log_path, flags)
     if announce and not os.path.exists(os.path.join(_build_root(), name, f"{name}.so")):
         # Said only when this build does not exist yet: loading a cached one is silent.
-        print(f"MemoryFormer: compiling the fused CPU kernel once for this torch installation and CPU (25 s on a quiet "
-              "2-vCPU AMD EPYC Zen 4, 49-57 s on busy 2-vCPU Intel Xeon and Zen 3 machines; cached in "
+        print(f"MemoryFormer: compiling the fused CPU kernel once for this torch installation and CPU (on 2 vCPUs: 25 s on a "
+              "quiet AMD EPYC Zen 4, 31 s on a quiet Zen 3, 49-57 s on busy Intel Xeon and Zen 3 machines; cached in "
               f"{os.path.join(_build_root(), name)})...", file=sys.stderr, flush=True)
     try:
         # The source includes the ATen and torch/library.h headers it needs: no implicit <torch/extension.h> (nor the

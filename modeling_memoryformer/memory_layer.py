@@ -23,6 +23,7 @@ from .quantization import (
     assemble_int8,
     dequantize_int8,
     int8_block,
+    int8_inference_lookup,
     int8_lookup,
     int8_memory_lookup,
     int8_views,
@@ -220,6 +221,9 @@ class MemoryLayer(nn.Module):
             self._check_input(x)
             if self.table_dtype == "int8":
                 codes, scale, offset, block = self._int8_tables()
+                if (y := int8_inference_lookup(x, block, self.bias, self.hash_bits, self.score,
+                                               self.temperature)) is not None:
+                    return y  # generation: the same ops without the general path's checks
                 return int8_memory_lookup(x, codes, scale, offset, self.bias, self.hash_bits, self.score,
                                           self.temperature, block)
             if (y := inference_lookup(x, self.tables, self.bias, self.hash_bits, self.score,

@@ -32,9 +32,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .configuration_memoryformer import canonical_storage_dtype
-from .memory_kernels import fused_ops, uses_fused
+from .memory_kernels import _CPU_KEYS, fused_ops, uses_fused
 from .memory_ops import hashed_rows
 
 
@@ -210,6 +211,25 @@ def int8_lookup(
         y = y.add_(bias) if block is not None else y + bias.to(torch.float32)
     y = refuse_backward(y.to(dtype), (scores, bias), "int8 tables")
     return y.reshape(*lead, codes.shape[1])
+
+
+def int8_inference_lookup(x: torch.Tensor, block: torch.Tensor | None, bias: torch.Tensor | None, hash_bits: int,
+                          score: str, temperature: float) -> torch.Tensor | None:
+    """`int8_memory_lookup` for a Memory Layer's own checked arguments when nothing is recorded (generation): the fused
+    kernel's hash and int8_lookup ops called directly, as `memory_ops.inference_lookup` does for float tables; the
+    same ops on the same operands. None where it does not apply (the caller takes the general path)."""
+    tokens = x.numel() // max(1, x.shape[-1])
+    if (block is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype == torch.float64
+            or int8_cpu_path(tokens) != "fused" or torch.compiler.is_compiling()
+            or torch.autograd._profiler_enabled() or _get_current_dispatch_mode() is not None
+            or not uses_fused(block)):
+        return None
+    ops = fused_ops()
+    rows, scores = ops.hash.default.redispatch(_CPU_KEYS, x.reshape(tokens, x.shape[-1]).contiguous(), hash_bits,
+                                               score, temperature)
+    y = ops.int8_lookup.default.redispatch(_CPU_KEYS, rows, scores.to(torch.float32), block, bias,
+                                           block.shape[0] // rows.shape[1])
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def int8_memory_lookup(

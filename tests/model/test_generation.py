@@ -142,10 +142,11 @@ def test_text_generation_pipeline_with_a_tiny_tokenizer():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("table_dtype", [None, "bfloat16"], ids=["model-dtype tables", "bfloat16 tables"])
+@pytest.mark.parametrize("table_dtype", [None, "bfloat16", "int8"],
+                         ids=["model-dtype tables", "bfloat16 tables", "int8 tables"])
 def test_decode_fast_path_gives_the_general_paths_logits_and_tokens(dtype, table_dtype, monkeypatch):
-    """Generation takes `memory_ops.inference_lookup` (the fused hash and lookup ops without the general path's
-    checks) and rotates Q and K in one in-place pass: the same ops on the same operands, so the logits are the same
+    """Generation takes `memory_ops.inference_lookup` (int8 tables: `quantization.int8_inference_lookup`: the fused
+    hash and lookup ops without the general path's checks) and rotates Q and K in one in-place pass: the same ops on the same operands, so the logits are the same
     bits and greedy decoding the same tokens as with the general path, in float32 and bfloat16. Oracle: the general
     path itself (`inference_lookup` answering None), and for the rotation the out-of-place `apply_rotary_pos_emb`,
     which a forward hook on the Q/K/V layer selects."""
@@ -158,18 +159,21 @@ def test_decode_fast_path_gives_the_general_paths_logits_and_tokens(dtype, table
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
                   output_scores=True, return_dict_in_generate=True)
     fast_calls = []
-    fast = memory_layer.inference_lookup
+    name = "int8_inference_lookup" if table_dtype == "int8" else "inference_lookup"
+    fast = getattr(memory_layer, name)
 
     def counted(*args):
         y = fast(*args)
         fast_calls.append(y is not None)
         return y
 
-    monkeypatch.setattr(memory_layer, "inference_lookup", counted)
+    monkeypatch.setattr(memory_layer, name, counted)
     with torch.inference_mode():
         quick = model.generate(prompt, **kwargs)
-    assert fast_calls and all(fast_calls)  # every Memory Layer call took it
-    monkeypatch.setattr(memory_layer, "inference_lookup", lambda *args: None)
+    # every Memory Layer call took it (int8: every decode step's; the 14-token prefill takes FBGEMM's embedding bag)
+    layers = len(fast_calls) // NEW_TOKENS if table_dtype == "int8" else 0  # calls per forward; 12 forwards
+    assert fast_calls and all(fast_calls[layers:]) and not any(fast_calls[:layers])
+    monkeypatch.setattr(memory_layer, name, lambda *args: None)
     hooks = [layer.attention.query_key_value.register_forward_hook(lambda *a: None) for layer in model.model.layers]
     with torch.inference_mode():
         general = model.generate(prompt, **kwargs)

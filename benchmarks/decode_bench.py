@@ -434,6 +434,7 @@ def markdown(results: dict) -> str:
         f"between decode steps inside `generate` over {args['repeats']} calls.",
         "Efficiency: bytes the step must read x steps/s / the stream bandwidth measured in the same process. "
         "Peak RSS: the whole process (build + decode).",
+        *([f"Runs merged here: {'; '.join(results['runs'])}."] if results.get("runs") else []),
         "",
         "| model | path | batch | tokens/s | ms/step | MB/step | GB/s | stream GB/s | efficiency | vs twin | "
         "bound on ratio | peak RSS GB | build s | other cores |",
@@ -475,6 +476,7 @@ def markdown(results: dict) -> str:
 def plot(results: dict, path: str) -> bool:
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -501,10 +503,12 @@ def plot(results: dict, path: str) -> bool:
     axes[1].barh(y, rates, color=colors)
     axes[1].set_yticks(list(y), [""] * len(names))
     axes[1].set_xscale("log")
+    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decade labels only: no overlapping ticks
     axes[1].set_xlabel("tokens/s (log)")
     axes[1].invert_yaxis()
     env = results["environment"]
-    fig.suptitle(f"Decode: MemoryFormer (blue) vs Pythia-shaped twins (gray) - {env.get('cpu')}, "
+    fig.suptitle(f"Decode: MemoryFormer (blue) vs Pythia-shaped twins (gray) - "
+                 f"{env.get('cpu_description', env.get('cpu'))}, "
                  f"{env.get('threads')} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

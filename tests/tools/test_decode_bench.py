@@ -1,0 +1,88 @@
+"""benchmarks/decode_bench.py: the bytes a decode step must read, and the models it builds in their storage dtype.
+
+Oracle for the bytes: the presets' shapes written out here (K rows of d_out values per Memory Layer, every weight
+matrix of the twin, the LM head both read), and the per-token figures of docs/performance.md and issue 42 (MF-tiny
+~54 MB against ~89 MB in bf16, a bound of ~1.67x)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import decode_bench
+
+MB = 1e6
+
+
+def meta_model(kind: str, preset: str, storage: str = "bf16"):
+    from transformers import GPTNeoXForCausalLM
+
+    from modeling_memoryformer import MemoryFormerForCausalLM
+
+    config = decode_bench.model_config(kind, preset, storage)
+    cls = MemoryFormerForCausalLM if kind == "mf" else GPTNeoXForCausalLM
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_mf_tiny_step_reads_its_rows_and_the_head():
+    model = meta_model("mf", "tiny")
+    parts = decode_bench.step_bytes(model, batch=1, context=32)
+    d, layers, k, vocab = 512, 6, 64, 50304  # tau 8: K = 512 / 8 tables; the block is 512 -> 640 -> 512 (e = 2)
+    widths = (3 * d, 10 * k, d)  # Q/K/V, block layer 1, block layer 2: each reads K rows of its width
+    rows = layers * sum(k * w * 2 + w * 2 for w in widths)  # bf16 rows + the bias read once
+    assert parts["rows"] == rows
+    assert parts["head"] == vocab * d * 2
+    assert parts["weights"] == 0
+    assert parts["kv_cache"] == 2 * layers * 32 * d * 2
+    assert parts["embedding"] == d * 2
+    assert 53 * MB < parts["total"] < 55 * MB  # ~54 MB (issue 42, docs/performance.md)
+
+
+def test_twin_reads_every_weight_matrix_and_the_bound_matches_the_presets_shapes():
+    twin = decode_bench.step_bytes(meta_model("twin", "tiny"), batch=1, context=32)
+    d, layers, inner = 512, 6, 2048
+    weights = layers * 2 * (d * 3 * d + 3 * d + d * d + d + d * inner + inner + inner * d + d)  # qkv, dense, MLP
+    assert twin["weights"] == weights
+    assert twin["head"] == 50304 * d * 2
+    mf = decode_bench.step_bytes(meta_model("mf", "tiny"), batch=1, context=32)
+    assert twin["total"] / mf["total"] == pytest.approx(1.66, abs=0.02)
+
+
+def test_batch_multiplies_rows_and_cache_but_not_the_head():
+    model = meta_model("mf", "small")
+    one, four = (decode_bench.step_bytes(model, batch=b, context=20) for b in (1, 4))
+    assert four["rows"] - 4 * one["rows"] == -3 * sum(
+        m.bias.numel() * 2 for m in model.modules() if type(m).__name__ == "MemoryLayer")  # biases read once
+    assert four["kv_cache"] == 4 * one["kv_cache"]
+    assert four["head"] == one["head"]
+
+
+@pytest.mark.slow
+def test_models_are_built_in_their_storage_dtype_with_working_rotary_tables():
+    """bf16: every floating tensor bfloat16 from the start; the rotary inv_freq (a buffer `to_empty` leaves
+    uninitialised) equals a plain CPU build's; int8: MemoryFormer's tables and head int8, the twin's linears dynamic
+    int8; greedy decoding runs."""
+    from transformers import GPTNeoXForCausalLM
+
+    model = decode_bench.build_in_dtype("mf", "tiny", "bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    reference = GPTNeoXForCausalLM(decode_bench.model_config("twin", "tiny", "bf16"))
+    twin = decode_bench.build_in_dtype("twin", "tiny", "bf16")
+    torch.testing.assert_close(twin.gpt_neox.rotary_emb.inv_freq, reference.gpt_neox.rotary_emb.inv_freq)
+    mf_inv = model.model.rotary_emb.inv_freq
+    assert torch.isfinite(mf_inv).all() and mf_inv[0] == 1
+    int8 = decode_bench.build_in_dtype("mf", "tiny", "int8")
+    assert int8.config.table_dtype == "int8" and int8.config.lm_head_dtype == "int8"
+    int8_twin = decode_bench.build_in_dtype("twin", "tiny", "int8")
+    assert not any(type(m) is torch.nn.Linear for m in int8_twin.modules())
+    ids = torch.randint(0, 1000, (1, 4))
+    with torch.inference_mode():
+        for m in (model, twin, int8, int8_twin):
+            m.generation_config.eos_token_id = None
+            assert m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0).shape == (1, 7)

@@ -223,6 +223,7 @@ def run(spec: LayerSpec, log=print) -> dict:
     finally:
         bar.close()
     elapsed = time.perf_counter() - start_all
+    add_forward_bounds(rows, spec.hash_bits)
     log(f"Layer level done in {elapsed:.0f} s")
     return {
         "meta": dict(env, elapsed_s=round(elapsed, 1), other_cpu_cores=other_cores_since(section_cpu),
@@ -231,6 +232,48 @@ def run(spec: LayerSpec, log=print) -> dict:
         "rows": rows,
         "ratios": ratios,
     }
+
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+
+
+def forward_bound(d: int, tokens: int, dtype_name: str, hash_bits: int, stream_gbps: float,
+                  mac_per_s: float | None) -> dict:
+    """What bounds a Memory Layer forward (d -> d, K = d / tau tables of 2**tau rows) on this machine, and the time it
+    allows: the bytes it must move at the measured memory stream, either every retrieved row (N * K rows: gathers) or
+    each table once (one pass over all tables, when that is fewer bytes), plus the input and output; and its N * K * d
+    multiply-adds at `mac_per_s` (the fastest rate the dense layer reached in the same run, a lower bound of the
+    machine's). An int8 row is d codes + 8 bytes of scale and offset."""
+    tables = d // hash_bits
+    row = d * ELEMENT_BYTES[dtype_name] + (8 if dtype_name == "int8" else 0)
+    act = 4 if dtype_name in ("fp32", "int8") else 2
+    gathers = tokens * tables * row
+    stream_all = tables * (1 << hash_bits) * row
+    rows_bytes, how = (gathers, "gathers") if gathers <= stream_all else (stream_all, "table stream")
+    moved = rows_bytes + 2 * tokens * d * act
+    memory_s = moved / (stream_gbps * 1e9)
+    macs = tokens * tables * d
+    compute_s = macs / mac_per_s if mac_per_s else 0.0
+    bound, what = (memory_s, how) if memory_s >= compute_s else (compute_s, "multiply-adds")
+    return {"bound_ms": bound * 1e3, "bound": what, "bytes": moved, "macs": macs}
+
+
+def add_forward_bounds(rows: list[dict], hash_bits: int) -> None:
+    """Each MemoryLayer forward row gets its bound on this machine (`forward_bound`) and its distance to it
+    (measured / bound: 1.0 is at the bound)."""
+    mac_rate: dict[str, float] = {}
+    for r in rows:  # the dense layer's best multiply-add rate per dtype: d * d per token
+        if r["mode"] == "forward" and r["contestant"] == LINEAR and r.get("ms") and r["ms"].get("median"):
+            rate = r["tokens"] * r["d"] * r["d"] / (r["ms"]["median"] / 1e3)
+            mac_rate[r["dtype"]] = max(mac_rate.get(r["dtype"], 0.0), rate)
+    for r in rows:
+        if (r["mode"] != "forward" or r["contestant"] == LINEAR or not r.get("ms") or not r["ms"].get("median")
+                or not r.get("host_stream_gbps")):
+            continue
+        bound = forward_bound(r["d"], r["tokens"], r["dtype"], hash_bits, r["host_stream_gbps"],
+                              mac_rate.get(r["dtype"]))
+        r["bound"] = dict(bound, distance=r["ms"]["median"] / bound["bound_ms"],
+                          dense_mac_per_s=mac_rate.get(r["dtype"]))
 
 
 def _check_against_torch(memory: MemoryLayer, x: torch.Tensor, kernels: list[str]) -> dict:

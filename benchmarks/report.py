@@ -243,6 +243,24 @@ def _layer_markdown(layer: dict) -> list[str]:
     ]
     for (mode, dtype), lines in layer_tables(layer).items():
         out += [f"### {MODE_TITLES[mode]}, {DTYPE_TITLES[dtype]}", ""] + lines + [""]
+    bounded = [r for r in layer["rows"] if r.get("bound") and r.get("kernel") == "fused"]
+    if bounded:
+        out += [
+            "### Memory Layer forward against its bound on this machine (fused kernel)",
+            "",
+            "Bound: the bytes the forward must move (its N x K rows, or each table once when that is fewer bytes, plus "
+            "input and output) at the memory stream measured before the cell, or its N x K x d multiply-adds at the "
+            "fastest rate `nn.Linear` reached in this run, whichever takes longer. Distance = measured / bound "
+            "(1.0 is at the bound).",
+            "",
+            "| dtype | d | N | measured ms | bound ms | bound by | distance |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in bounded:
+            b = r["bound"]
+            out.append(f"| {r['dtype']} | {r['d']} | {r['tokens']} | {r['ms']['median']:.3f} | {b['bound_ms']:.3f} | "
+                       f"{b['bound']} | {b['distance']:.1f}x |")
+        out.append("")
     problems = [r for r in layer["rows"] if r["status"] != "ok"]
     checks = [r for r in layer["rows"] if isinstance(r.get("max_abs_diff_vs_torch"), dict)]
     if checks:

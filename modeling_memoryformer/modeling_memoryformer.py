@@ -309,18 +309,13 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
             past_key_values=past_key_values,
             **kwargs,
         )
-        if self.training:  # dropout is the identity in eval: not called at all there (a decode step calls it often)
-            attn_output = self.post_attention_dropout(attn_output)
+        attn_output = self.post_attention_dropout(attn_output)
         if self.use_parallel_residual:  # y = x + Attn(N1(x)) + MB(N2(x))
             block_output = self.memory_block(self.post_attention_layernorm(hidden_states))
-            if self.training:
-                block_output = self.post_memory_dropout(block_output)
-            return hidden_states + attn_output + block_output
+            return hidden_states + attn_output + self.post_memory_dropout(block_output)
         hidden_states = hidden_states + attn_output  # h = x + Attn(N1(x)); y = h + MB(N2(h))
         block_output = self.memory_block(self.post_attention_layernorm(hidden_states))
-        if self.training:
-            block_output = self.post_memory_dropout(block_output)
-        return hidden_states + block_output
+        return hidden_states + self.post_memory_dropout(block_output)
 
 
 class CheckpointMismatchError(ValueError):

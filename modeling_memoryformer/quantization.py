@@ -227,8 +227,7 @@ def int8_inference_lookup(x: torch.Tensor, block: torch.Tensor | None, bias: tor
     ops = fused_ops()
     rows, scores = ops.hash.default.redispatch(_CPU_KEYS, x.reshape(tokens, x.shape[-1]).contiguous(), hash_bits,
                                                score, temperature)
-    y = ops.int8_lookup.default.redispatch(_CPU_KEYS, rows, scores.to(torch.float32), block, bias,
-                                           block.shape[0] // rows.shape[1])
+    y = ops.int8_lookup(rows, scores.to(torch.float32), block, bias, block.shape[0] // rows.shape[1])  # as int8_lookup
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 

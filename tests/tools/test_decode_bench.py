@@ -1,7 +1,7 @@
 """benchmarks/decode_bench.py: the bytes a decode step must read, and the models it builds in their storage dtype.
 
 Oracle for the bytes: the presets' shapes written out here (K rows of d_out values per Memory Layer, every weight
-matrix of the twin, the LM head both read), and the per-token figures of docs/performance.md and issue 42 (MF-tiny
+matrix of the twin, the LM head both read), and the per-token figures of docs/performance.md (MF-tiny
 ~54 MB against ~89 MB in bf16, a bound of ~1.67x)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_mf_tiny_step_reads_its_rows_and_the_head():
     assert parts["weights"] == 0
     assert parts["kv_cache"] == 2 * layers * 32 * d * 2
     assert parts["embedding"] == d * 2
-    assert 53 * MB < parts["total"] < 55 * MB  # ~54 MB (issue 42, docs/performance.md)
+    assert 53 * MB < parts["total"] < 55 * MB  # ~54 MB (docs/performance.md)
 
 
 def test_twin_reads_every_weight_matrix_and_the_bound_matches_the_presets_shapes():

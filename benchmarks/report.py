@@ -250,8 +250,8 @@ def _layer_markdown(layer: dict) -> list[str]:
             "",
             "Bound: the bytes the forward must move (its N x K rows, or each table once when that is fewer bytes, plus "
             "input and output) at the memory stream measured before the cell, or its N x K x d multiply-adds at the "
-            "fastest rate `nn.Linear` reached in this run, whichever takes longer. Distance = measured / bound "
-            "(1.0 is at the bound).",
+            "fastest rate `nn.Linear` reached in this run (any dtype), whichever takes longer. Distance = measured / "
+            "bound (1.0 is at the bound; under 1: the repeated input's rows came from the caches).",
             "",
             "| dtype | d | N | measured ms | bound ms | bound by | distance |",
             "|---|---|---|---|---|---|---|",

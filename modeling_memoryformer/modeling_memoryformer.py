@@ -218,7 +218,7 @@ class MemoryFormerAttention(nn.Module):
 
         qkv = self.query_key_value(hidden_states)  # [batch, seq, 3 * hidden]
         cos, sin = position_embeddings
-        rotate_in_place = not (qkv.requires_grad or self._qkv_observed())
+        rotate_in_place = not (qkv.requires_grad or self._qkv_observed()) and qkv.stride(-1) == 1
         if rotate_in_place:  # inference: rotate inside the fresh Q/K/V output, Q and K heads in one pass
             hidden = self.config.hidden_size
             qk_shape = (*input_shape, 2 * self.config.num_attention_heads, self.head_dim)

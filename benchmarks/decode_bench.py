@@ -103,8 +103,7 @@ def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
     with torch.no_grad():
         model.init_weights()
         for module in model.modules():  # the init skips buffers: the rotary tables are recomputed on the CPU
-            if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn") or type(module).__name__.endswith(
-                    "RotaryEmbedding"):
+            if type(module).__name__.endswith("RotaryEmbedding"):
                 _reset_rotary(module, model.config)
     model.eval()
     if kind == "twin" and storage == "int8":
@@ -118,7 +117,7 @@ def _reset_rotary(module, config) -> None:
         inv_freq, scaling = module.compute_default_rope_parameters(config, device="cpu")
     else:
         inv_freq, scaling = module.rope_init_fn(module.config, "cpu")
-    module.inv_freq = inv_freq.to(module.inv_freq.dtype) if module.inv_freq.is_floating_point() else inv_freq
+    module.inv_freq = inv_freq.to(module.inv_freq.dtype)
     if hasattr(module, "original_inv_freq"):
         module.original_inv_freq = module.inv_freq
     module.attention_scaling = scaling

@@ -101,12 +101,17 @@ def fused_ops():
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
+def dispatcher_watched() -> bool:
+    """Whether a call must enter the dispatcher at the top: something is being traced or profiled (the profiler names
+    ops at the dispatcher's entry) or a Python dispatch mode (FakeTensorMode, FlopCounterMode, ...) would see it."""
+    return (torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
+            or _get_current_dispatch_mode() is not None)
+
+
 def fused_call(op, *args):
-    """`op(*args)` (a fused op on CPU tensors), straight to its CPU kernel when no gradient is recorded, nothing is
-    being traced or profiled (the profiler names ops at the dispatcher's entry) and no Python dispatch mode
-    (FakeTensorMode, FlopCounterMode, ...) would see the call."""
-    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
-            or _get_current_dispatch_mode() is not None):
+    """`op(*args)` (a fused op on CPU tensors), straight to its CPU kernel when no gradient is recorded and nothing
+    watches the dispatcher (`dispatcher_watched`)."""
+    if torch.is_grad_enabled() or dispatcher_watched():
         return op(*args)
     return op.default.redispatch(_CPU_KEYS, *args)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .memory_backend_triton import FusedMemoryLookup
 from .memory_backend_cpu import (  # noqa: F401 (re-exported)
@@ -36,6 +35,7 @@ from .memory_kernels import (  # noqa: F401 (re-exported)
     KernelStatus,
     available_kernels,
     backend_for,
+    dispatcher_watched,
     fused_call,
     fused_ops,
     get_kernel,
@@ -243,8 +243,7 @@ def inference_lookup(x: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor |
     kernel or device, mixed dtypes, a table update, tracing, profiling or a dispatch mode): the caller takes the
     general path, which gives the same values."""
     if (torch.is_grad_enabled() or x.dtype != tables.dtype or x.device.type != "cpu" or not tables.is_contiguous()
-            or (bias is not None and bias.dtype != tables.dtype) or torch.compiler.is_compiling()
-            or torch.autograd._profiler_enabled() or _get_current_dispatch_mode() is not None
+            or (bias is not None and bias.dtype != tables.dtype) or dispatcher_watched()
             or not uses_fused(tables) or table_update_for(tables) is not None):
         return None
     ops = fused_ops()

@@ -32,10 +32,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .configuration_memoryformer import canonical_storage_dtype
-from .memory_kernels import _CPU_KEYS, fused_ops, uses_fused
+from .memory_kernels import _CPU_KEYS, dispatcher_watched, fused_ops, uses_fused
 from .memory_ops import hashed_rows
 
 
@@ -220,9 +219,7 @@ def int8_inference_lookup(x: torch.Tensor, block: torch.Tensor | None, bias: tor
     same ops on the same operands. None where it does not apply (the caller takes the general path)."""
     tokens = x.numel() // max(1, x.shape[-1])
     if (block is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype == torch.float64
-            or int8_cpu_path(tokens) != "fused" or torch.compiler.is_compiling()
-            or torch.autograd._profiler_enabled() or _get_current_dispatch_mode() is not None
-            or not uses_fused(block)):
+            or int8_cpu_path(tokens) != "fused" or dispatcher_watched() or not uses_fused(block)):
         return None
     ops = fused_ops()
     rows, scores = ops.hash.default.redispatch(_CPU_KEYS, x.reshape(tokens, x.shape[-1]).contiguous(), hash_bits,

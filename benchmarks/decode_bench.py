@@ -18,7 +18,10 @@ interval between consecutive steps after the first (which follows the prefill) i
 and `generate`'s setup are out of it, and what is timed is what a user's `generate` spends per token.
 
 Paths (both models take each):
-- eager: `generate` with the dynamic KV cache, as transformers runs by default.
+- eager: `generate` with the dynamic KV cache, as transformers runs by default. Attention: a decode step's single
+  query position runs the fused kernel's decode attention in both models (MemoryFormer does by default; the twin is
+  given it as its attention implementation, `modeling_memoryformer.decode_attention_forward`), so the attention is
+  the same code in both; the prefill runs scaled_dot_product_attention in both.
 - compiled: `generate(cache_implementation="static", compile_config=CompileConfig(...))`: the decode step compiled
   by torch.compile (Inductor's C++ backend on the CPU) over a static KV cache (`modeling_memoryformer.compiled_decode_kwargs`).
   Its first call compiles; the timing is of later calls. The greedy tokens are checked against the eager path's.
@@ -106,9 +109,21 @@ def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
             if type(module).__name__.endswith("RotaryEmbedding"):
                 _reset_rotary(module, model.config)
     model.eval()
+    if kind == "twin":
+        use_decode_attention(model)
     if kind == "twin" and storage == "int8":
         model = dynamic_int8_in_place(model)
     return model
+
+
+def use_decode_attention(model) -> None:
+    """The twin's attention as MemoryFormer's: the fused decode attention for a decode step, SDPA otherwise."""
+    from transformers import AttentionInterface
+
+    from modeling_memoryformer.modeling_memoryformer import decode_attention_forward
+
+    AttentionInterface.register("memoryformer_decode", decode_attention_forward)
+    model.set_attn_implementation("memoryformer_decode")
 
 
 def _reset_rotary(module, config) -> None:

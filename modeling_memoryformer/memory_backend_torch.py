@@ -120,6 +120,25 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """Attention of one query position per sequence: q [B, H, 1, D], k and v [B, Hkv, T, D], mask None, bool (true:
+    attend) or additive, broadcastable to [B, H, 1, T] -> [B, 1, H, D] in q's dtype, summed in float32 (float64 for
+    float64); a row whose keys are all masked out gives zeros (as scaled_dot_product_attention)."""
+    acc = acc_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, 1)
+    vf = v.to(acc).repeat_interleave(group, 1)
+    scores = (q.to(acc) @ kf.transpose(-1, -2)) * scaling  # [B, H, 1, T]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
+    top = scores.amax(-1, keepdim=True)
+    weights = (scores - top.masked_fill(top == float("-inf"), 0)).exp()
+    total = weights.sum(-1, keepdim=True)
+    out = (weights @ vf) / total.masked_fill(total == 0, 1)
+    return out.transpose(1, 2).to(q.dtype).contiguous()
+
+
 def _row_mean_square(grad: torch.Tensor) -> torch.Tensor:
     return grad.square().mean(1) if grad.shape[1] else grad.new_zeros(grad.shape[0])
 
@@ -146,5 +165,6 @@ def adam_rowwise_step(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
 TORCH_BACKEND = types.SimpleNamespace(
     name="torch",
     **{kernel.__name__: kernel for kernel in (hash, hash_backward, lookup, lookup_backward, lookup_backward_rows,
-                                              int8_lookup, linear_rows, rowwise_adagrad_step, adam_rowwise_step)},
+                                              int8_lookup, linear_rows, decode_attention, rowwise_adagrad_step,
+                                              adam_rowwise_step)},
 )

@@ -36,6 +36,8 @@ OP_SCHEMAS = {
     # Inference forms: int8 tables (FBGEMM's row-wise layout) and the LM head for a few tokens.
     "int8_lookup": "(Tensor rows, Tensor scores, Tensor packed, Tensor? bias, int rows_per_table) -> Tensor",
     "linear_rows": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    # Attention of one query position per sequence over its KV cache (a decode step).
+    "decode_attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scaling) -> Tensor",
     # The row-wise table optimizers' steps, in place.
     "rowwise_adagrad_step": "(Tensor(a!) weight, Tensor grad, Tensor(b!) state_sum, float lr, float eps, "
                             "float weight_decay) -> ()",
@@ -128,6 +130,10 @@ def _register_fakes(namespace: str) -> None:
     @fake("linear_rows")
     def _linear_rows(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @fake("decode_attention")
+    def _decode_attention(q, k, v, mask, scaling):
+        return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
     @fake("rowwise_adagrad_step")
     def _rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay):

@@ -292,3 +292,66 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         y = fused_call(fused_ops().linear_rows, x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+_DECODE_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor | None:
+    """Attention of one query position per sequence (a decode step) by the fused kernel's `decode_attention`: query
+    [batch, heads, 1, head_dim], key and value [batch, kv_heads, positions, head_dim] (views with a contiguous last
+    dimension, as a KV cache gives them), the mask None, bool or additive in the query's dtype, broadcastable to
+    [batch, heads, 1, positions] -> [batch, 1, heads, head_dim], what transformers' attention functions return.
+
+    Sums in float32, in key order; PyTorch's CPU scaled_dot_product_attention spends 60-80 us on one decode step of
+    8 heads over 40 keys in bfloat16 on an AVX2 CPU (its blocked kernel's setup and bfloat16 GEMMs), this kernel about
+    12 us. None where it does not apply (more than one query position, a gradient to record, another device, dtype or
+    mask form, another kernel choice): the caller then takes scaled_dot_product_attention, the same function to
+    rounding."""
+    if (query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[2] != 1 or key.shape[-2] == 0
+            or query.device.type != "cpu" or query.dtype not in _DECODE_ATTENTION_DTYPES
+            or key.dtype != query.dtype or value.dtype != query.dtype or key.shape[1] == 0
+            or query.shape[1] % key.shape[1] or key.shape != value.shape or key.shape[-1] != query.shape[-1]
+            or key.shape[0] != query.shape[0]
+            or any(t.stride(-1) != 1 for t in (query, key, value))
+            or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+            or not uses_fused(query)):
+        return None
+    if attention_mask is not None:
+        batch, heads = query.shape[0], query.shape[1]
+        if (attention_mask.dim() != 4 or attention_mask.shape[2] != 1 or attention_mask.shape[3] != key.shape[-2]
+                or attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] not in (1, heads)
+                or attention_mask.dtype not in (torch.bool, query.dtype) or attention_mask.device.type != "cpu"):
+            return None
+    return fused_call(fused_ops().decode_attention, query, key, value, attention_mask, float(scaling))
+
+
+_NOT_FOR_DECODE_ATTENTION = ("softcap", "position_bias", "cache", "sliding_window", "s_aux")
+
+
+def decode_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
+    """transformers' "sdpa" attention, with one query position per sequence (a decode step) on the fused CPU kernel
+    (`memory_ops.decode_attention`: float32 sums, several times faster than scaled_dot_product_attention there in
+    bfloat16). Everything else, and any keyword that kernel does not take, goes to the registered "sdpa" function.
+    MemoryFormer's attention calls it where "sdpa" is the implementation; for another model (a benchmark's dense
+    twin), `AttentionInterface.register("memoryformer_decode", decode_attention_forward)` then
+    `model.set_attn_implementation("memoryformer_decode")`."""
+    if dropout == 0.0 and all(kwargs.get(name) is None for name in _NOT_FOR_DECODE_ATTENTION):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if (out := decode_attention(query, key, value, attention_mask, scale)) is not None:
+            return out, None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )

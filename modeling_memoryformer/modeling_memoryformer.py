@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
 from .memory_ops import (
+    decode_attention_forward,
     few_rows_linear,
     linear_cross_entropy,
 )
@@ -184,6 +185,7 @@ class MemoryFormerAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.num_heads, self.hidden_size = config.num_attention_heads, config.hidden_size  # a config read: 2 us
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
@@ -214,27 +216,26 @@ class MemoryFormerAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, self.config.num_attention_heads, self.head_dim)  # explicit: a batch may be empty
+        hidden_shape = (*input_shape, self.num_heads, self.head_dim)  # explicit: a batch may be empty
 
         qkv = self.query_key_value(hidden_states)  # [batch, seq, 3 * hidden]
         cos, sin = position_embeddings
         rotate_in_place = not (qkv.requires_grad or self._qkv_observed()) and qkv.stride(-1) == 1
         if rotate_in_place:  # inference: rotate inside the fresh Q/K/V output, Q and K heads in one pass
-            hidden = self.config.hidden_size
-            qk_shape = (*input_shape, 2 * self.config.num_attention_heads, self.head_dim)
-            rotate_in_place_(qkv[..., : 2 * hidden].view(qk_shape), cos, sin, unsqueeze_dim=2)
-        query_states, key_states, value_states = (
-            t.view(hidden_shape).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
-        )  # each [batch, heads, seq, head_dim]
+            qk_shape = (*input_shape, 2 * self.num_heads, self.head_dim)
+            rotate_in_place_(qkv[..., : 2 * self.hidden_size].view(qk_shape), cos, sin, unsqueeze_dim=2)
+        # each [batch, heads, seq, head_dim]
+        query_states, key_states, value_states = (t.view(hidden_shape).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         if not rotate_in_place:
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    eager_attention_forward)
         key_states, value_states = update_kv_cache(
             past_key_values, key_states, value_states, self.layer_idx, attention_interface, kwargs
         )
+        if attention_interface is ALL_ATTENTION_FUNCTIONS.get("sdpa"):  # a decode step on the fused kernel
+            attention_interface = decode_attention_forward
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -245,7 +246,7 @@ class MemoryFormerAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, self.config.hidden_size).contiguous()  # [batch, seq, hidden]
+        attn_output = attn_output.reshape(*input_shape, self.hidden_size).contiguous()  # [batch, seq, hidden]
         if self.dense is not None:
             attn_output = self.dense(attn_output)
         return attn_output, attn_weights

@@ -144,6 +144,23 @@ def test_few_rows_linear_equals_the_float64_product(variant):
             assert_close_scaled(y, expected, scale, torch.float32)
 
 
+def test_decode_attention_equals_float64_attention(variant):
+    ops = runnable(variant)
+    g = torch.Generator().manual_seed(6)
+    for (B, H, Hkv, T, D), dtype in zip([(1, 4, 4, 9, 64), (2, 6, 2, 33, 37), (3, 2, 1, 1, 5)],
+                                        [torch.float32, torch.bfloat16, torch.float32]):
+        q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, 1), (Hkv, T), (Hkv, T)))
+        keep = torch.rand(B, 1, 1, T, generator=g) > 0.4
+        keep[..., -1] = True
+        out = ops.decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), keep, D**-0.5)
+        group = H // Hkv
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.to(dtype).double(), k.to(dtype).double().repeat_interleave(group, 1),
+            v.to(dtype).double().repeat_interleave(group, 1), attn_mask=keep, scale=D**-0.5).transpose(1, 2)
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+        assert out.dtype == dtype and (out.double() - expected).abs().max() <= tolerance * v.abs().max() * 2
+
+
 AARCH64_CXX = "aarch64-linux-gnu-g++"
 
 

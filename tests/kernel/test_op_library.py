@@ -43,6 +43,8 @@ def samples(score: str = "paper"):
         ("lookup_backward_rows", (grad_out, rows, scores.detach(), tables.detach(), P, True)),
         ("int8_lookup", (rows, scores.detach(), packed, bias.detach(), P)),
         ("linear_rows", (torch.randn(2, 16, generator=g), weight, torch.randn(32, generator=g))),
+        ("decode_attention", (torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g),
+                              torch.randn(2, 2, 5, 8, generator=g), torch.rand(2, 1, 1, 5, generator=g) > 0.2, 0.35)),
         ("rowwise_adagrad_step", (tables.detach().clone(), torch.randn(K * P, D, generator=g), state.clone(), 0.1,
                                   1e-8, 0.01)),
         ("adam_rowwise_step", (tables.detach().clone(), torch.randn(K * P, D, generator=g),

@@ -1,0 +1,130 @@
+// Attention of one query position per sequence (a decode step).
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ decode attention
+// out[b, 0, h] = softmax_t(scaling <q[b, h], k[b, h', t]> + mask[b, h, t]) . v[b, h', t] for one query position, where
+// h' = h / (H / Hkv) (grouped KV heads). Decoding runs this once per layer and step with a single query row per head;
+// PyTorch's CPU scaled_dot_product_attention handles that shape with its blocked flash kernel, whose setup and
+// bfloat16 GEMM calls cost 60-80 us for 8 heads over 40 keys on an AVX2 CPU without bfloat16 instructions (about
+// 1.3 ms at 4 sequences over 400 keys), for a few hundred KB of keys and values. Here each (sequence, head) pair is
+// one pass over its keys (the scores in a row of float32), then one over its values, all sums in float32 (the
+// probabilities are not rounded to the input dtype before the value sum, as that kernel does), the output rounded once.
+// A row whose keys are all masked out gives zeros, as scaled_dot_product_attention does. The sums over keys run in
+// key order, and a masked-out key adds an exact zero, so a longer, masked cache (a static cache) gives the same bits.
+
+// One (sequence, head): scores into s[T], then the weighted value sum into acc[D] (both float32 scratch).
+template <typename T>
+void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
+                          float scaling, const bool* keep, const float* add, int64_t mask_step, float* qf, float* s,
+                          float* acc, T* out) {
+  constexpr int64_t L = kLanes;
+  const int64_t Dv = D - D % L, D2 = D - D % (2 * L);
+  for (int64_t j = 0; j < D; ++j) qf[j] = float(q[j]);
+  float m = -std::numeric_limits<float>::infinity();
+  const auto add_vec = [](fVec& a, fVec& b) { return a + b; };
+  for (int64_t t = 0; t < Tn; ++t) {
+    if (keep && !keep[t * mask_step]) {
+      s[t] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* kt = k + t * k_step;
+    fVec a0(0.f), a1(0.f);
+    int64_t j = 0;
+    for (; j < D2; j += 2 * L) {
+      a0 = at::vec::fmadd(fVec::loadu(qf + j), load_floats(kt + j), a0);
+      a1 = at::vec::fmadd(fVec::loadu(qf + j + L), load_floats(kt + j + L), a1);
+    }
+    for (; j < Dv; j += L) a0 = at::vec::fmadd(fVec::loadu(qf + j), load_floats(kt + j), a0);
+    float dot = at::vec::vec_reduce_all<float>(add_vec, a0 + a1);
+    for (; j < D; ++j) dot += qf[j] * float(kt[j]);
+    float score = dot * scaling;
+    if (add) score += add[t * mask_step];
+    s[t] = score;
+    m = std::max(m, score);
+  }
+  for (int64_t j = 0; j < D; ++j) acc[j] = 0.f;
+  if (m == -std::numeric_limits<float>::infinity()) {  // every key masked out (or -inf scores): zeros
+    for (int64_t j = 0; j < D; ++j) out[j] = T(0.f);
+    return;
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < Tn; ++t) {
+    const float p = std::exp(s[t] - m);
+    total += p;
+    if (p == 0.f) continue;   // an exact zero adds nothing: masked keys cost no value read
+    const T* vt = v + t * v_step;
+    const fVec pv(p);
+    int64_t j = 0;
+    for (; j < Dv; j += L) at::vec::fmadd(pv, load_floats(vt + j), fVec::loadu(acc + j)).store(acc + j);
+    for (; j < D; ++j) acc[j] += p * float(vt[j]);
+  }
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < D; ++j) out[j] = T(acc[j] * inv);
+}
+
+// q [B, H, 1, D], k and v [B, Hkv, T, D] (any strides with a contiguous last dimension: the views a KV cache and a
+// fused Q/K/V output give), mask None, bool (true: attend) or additive float, broadcastable to [B, H, 1, T];
+// float32, bfloat16 or float16, all one dtype. Returns [B, 1, H, D] contiguous in that dtype (the layout transformers'
+// attention functions return).
+at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& mask, double scaling) {
+  const char* op = "memoryformer.decode_attention";
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->defined() && t->device().is_cpu(), op, ": q, k and v must be CPU tensors");
+    TORCH_CHECK(t->dim() == 4, op, ": q, k and v must be 4-D ([batch, heads, positions, head_dim]), got shape ",
+                t->sizes());
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) <= 1, op, ": the last dimension of q, k and v must be contiguous, "
+                "got strides ", t->strides());
+  }
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": q must be float32, "
+              "bfloat16 or float16 (other dtypes take scaled_dot_product_attention), got ", dtype);
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, op, ": q, k and v must have one dtype, got ",
+              dtype, ", ", k.scalar_type(), " and ", v.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), Tn = k.size(2);
+  TORCH_CHECK(q.size(2) == 1, op, ": q must hold one query position (decoding), got ", q.size(2), " (use "
+              "scaled_dot_product_attention for more)");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == D && v.size(3) == D && v.size(1) == Hkv &&
+              v.size(2) == Tn, op, ": k and v must be [", B, ", Hkv, T, ", D, "] alike, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, op, ": the query heads (", H, ") must be a multiple of the key/value heads (",
+              Hkv, ")");
+  TORCH_CHECK(Tn >= 1, op, ": k and v hold no position");
+  at::Tensor keep, add;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->device().is_cpu() && mask->dim() == 4 && mask->size(2) == 1 && mask->size(3) == Tn &&
+                (mask->size(0) == 1 || mask->size(0) == B) && (mask->size(1) == 1 || mask->size(1) == H), op,
+                ": mask must be broadcastable to [", B, ", ", H, ", 1, ", Tn, "], got shape ", mask->sizes());
+    if (mask->scalar_type() == at::kBool) keep = mask->expand({B, H, 1, Tn}).contiguous();
+    else add = mask->to(at::kFloat).expand({B, H, 1, Tn}).contiguous();
+  }
+  auto out = at::empty({B, 1, H, D}, q.options());
+  const int64_t group = H / Hkv;
+  const float scale = float(scaling);
+  const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
+  const float* add_p = add.defined() ? add.data_ptr<float>() : nullptr;
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+    const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+    const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+    T* op_ = reinterpret_cast<T*>(out.data_ptr());
+    const auto body = [&](int64_t r0, int64_t r1) {
+      std::vector<float> scratch(2 * D + Tn);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / H, h = r % H, hk = h / group;
+        decode_attention_row<T>(qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + hk * k.stride(1),
+                                vp + b * v.stride(0) + hk * v.stride(1), k.stride(2), v.stride(2), D, Tn, scale,
+                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr, 1,
+                                scratch.data(), scratch.data() + D + D, scratch.data() + D, op_ + (b * H + h) * D);
+      }
+    };
+    if (threads_for(B * H * Tn * D * 2) == 1 || B * H == 1) body(0, B * H);
+    else at::parallel_for(0, B * H, 1, body);
+  };
+  if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
+  else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+  else run(static_cast<c10::Half*>(nullptr));
+  return out;
+}

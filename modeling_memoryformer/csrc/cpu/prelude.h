@@ -28,6 +28,9 @@
 // - int8_lookup(rows, scores, packed, bias?, rows_per_table) -> y[N, D] float32: lookup on int8
 //       tables in FBGEMM's row-wise layout (packed uint8 [R, D + 8]: codes, float32 scale, float32 offset per row),
 //       y = sum_k scores * (q * scale + offset) + bias, dequantised in registers, summed in float32 (see "int8 tables").
+// - linear_rows(x[M, D], weight[V, D], bias?) -> y[M, V] for 1 <= M <= 4 rows (the LM head while decoding).
+// - decode_attention(q[B, H, 1, D], k[B, Hkv, T, D], v, mask?, scaling) -> [B, 1, H, D]: attention of one query
+//       position per sequence over its KV cache, in float32 (see attention.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").

@@ -329,6 +329,20 @@ template <typename T> inline fVec load_floats(const T* p) {
   }
 }
 
+// <a, b> over D values, summed in float32: a float32, b float32 or 16-bit (widened by vectors); two partial sums by
+// vectors, then the tail one value at a time.
+template <typename T> inline float dot_floats(const float* a, const T* b, int64_t D) {
+  fVec d0(0.0f), d1(0.0f);
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
+    d0 = at::vec::fmadd(fVec::loadu(a + j), load_floats(b + j), d0);
+    d1 = at::vec::fmadd(fVec::loadu(a + j + kLanes), load_floats(b + j + kLanes), d1);
+  }
+  float dot = at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& y) { return x + y; }, d0 + d1);
+  for (; j < D; ++j) dot += a[j] * to_acc(b[j]);
+  return dot;
+}
+
 template <typename T> inline void prefetch_span(const T* p, int64_t w) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < int64_t(w * sizeof(T)); b += 64) __builtin_prefetch(c + b);
@@ -1478,16 +1492,7 @@ void backward_rows_kernel(const float* gy, const int64_t* rows, const float* sco
         if (grad_scores)
           for (int64_t i = e; i < e1; ++i) {
             const int64_t n = int64_t(kk[i] & 0xffffffffu);
-            const float* g = gy + n * D;
-            fVec d0(0.0f), d1(0.0f);   // the row widened by vectors (16-bit tables), two partial sums
-            int64_t j = 0;
-            for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
-              d0 = at::vec::fmadd(fVec::loadu(g + j), load_floats(t + j), d0);
-              d1 = at::vec::fmadd(fVec::loadu(g + j + kLanes), load_floats(t + j + kLanes), d1);
-            }
-            float dot = at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, d0 + d1);
-            for (; j < D; ++j) dot += g[j] * to_acc(t[j]);
-            grad_scores[n * K + k] = dot;
+            grad_scores[n * K + k] = dot_floats(gy + n * D, t, D);
           }
         e = e1;
       }
@@ -1813,30 +1818,19 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
 // One (sequence, head): scores into s[T], then the weighted value sum into acc[D] (both float32 scratch).
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
-                          float scaling, const bool* keep, const float* add, int64_t mask_step, float* qf, float* s,
-                          float* acc, T* out) {
+                          float scaling, const bool* keep, const float* add, float* qf, float* s, float* acc,
+                          T* out) {
   constexpr int64_t L = kLanes;
-  const int64_t Dv = D - D % L, D2 = D - D % (2 * L);
+  const int64_t Dv = D - D % L;
   for (int64_t j = 0; j < D; ++j) qf[j] = float(q[j]);
   float m = -std::numeric_limits<float>::infinity();
-  const auto add_vec = [](fVec& a, fVec& b) { return a + b; };
   for (int64_t t = 0; t < Tn; ++t) {
-    if (keep && !keep[t * mask_step]) {
+    if (keep && !keep[t]) {
       s[t] = -std::numeric_limits<float>::infinity();
       continue;
     }
-    const T* kt = k + t * k_step;
-    fVec a0(0.f), a1(0.f);
-    int64_t j = 0;
-    for (; j < D2; j += 2 * L) {
-      a0 = at::vec::fmadd(fVec::loadu(qf + j), load_floats(kt + j), a0);
-      a1 = at::vec::fmadd(fVec::loadu(qf + j + L), load_floats(kt + j + L), a1);
-    }
-    for (; j < Dv; j += L) a0 = at::vec::fmadd(fVec::loadu(qf + j), load_floats(kt + j), a0);
-    float dot = at::vec::vec_reduce_all<float>(add_vec, a0 + a1);
-    for (; j < D; ++j) dot += qf[j] * float(kt[j]);
-    float score = dot * scaling;
-    if (add) score += add[t * mask_step];
+    float score = dot_floats(qf, k + t * k_step, D) * scaling;
+    if (add) score += add[t];
     s[t] = score;
     m = std::max(m, score);
   }
@@ -1913,7 +1907,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
         const int64_t b = r / H, h = r % H, hk = h / group;
         decode_attention_row<T>(qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + hk * k.stride(1),
                                 vp + b * v.stride(0) + hk * v.stride(1), k.stride(2), v.stride(2), D, Tn, scale,
-                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr, 1,
+                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
                                 scratch.data(), scratch.data() + D + D, scratch.data() + D, op_ + (b * H + h) * D);
       }
     };

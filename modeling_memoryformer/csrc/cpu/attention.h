@@ -16,30 +16,19 @@
 // One (sequence, head): scores into s[T], then the weighted value sum into acc[D] (both float32 scratch).
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
-                          float scaling, const bool* keep, const float* add, int64_t mask_step, float* qf, float* s,
-                          float* acc, T* out) {
+                          float scaling, const bool* keep, const float* add, float* qf, float* s, float* acc,
+                          T* out) {
   constexpr int64_t L = kLanes;
-  const int64_t Dv = D - D % L, D2 = D - D % (2 * L);
+  const int64_t Dv = D - D % L;
   for (int64_t j = 0; j < D; ++j) qf[j] = float(q[j]);
   float m = -std::numeric_limits<float>::infinity();
-  const auto add_vec = [](fVec& a, fVec& b) { return a + b; };
   for (int64_t t = 0; t < Tn; ++t) {
-    if (keep && !keep[t * mask_step]) {
+    if (keep && !keep[t]) {
       s[t] = -std::numeric_limits<float>::infinity();
       continue;
     }
-    const T* kt = k + t * k_step;
-    fVec a0(0.f), a1(0.f);
-    int64_t j = 0;
-    for (; j < D2; j += 2 * L) {
-      a0 = at::vec::fmadd(fVec::loadu(qf + j), load_floats(kt + j), a0);
-      a1 = at::vec::fmadd(fVec::loadu(qf + j + L), load_floats(kt + j + L), a1);
-    }
-    for (; j < Dv; j += L) a0 = at::vec::fmadd(fVec::loadu(qf + j), load_floats(kt + j), a0);
-    float dot = at::vec::vec_reduce_all<float>(add_vec, a0 + a1);
-    for (; j < D; ++j) dot += qf[j] * float(kt[j]);
-    float score = dot * scaling;
-    if (add) score += add[t * mask_step];
+    float score = dot_floats(qf, k + t * k_step, D) * scaling;
+    if (add) score += add[t];
     s[t] = score;
     m = std::max(m, score);
   }
@@ -116,7 +105,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
         const int64_t b = r / H, h = r % H, hk = h / group;
         decode_attention_row<T>(qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + hk * k.stride(1),
                                 vp + b * v.stride(0) + hk * v.stride(1), k.stride(2), v.stride(2), D, Tn, scale,
-                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr, 1,
+                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
                                 scratch.data(), scratch.data() + D + D, scratch.data() + D, op_ + (b * H + h) * D);
       }
     };

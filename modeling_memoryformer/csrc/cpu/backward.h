@@ -226,16 +226,7 @@ void backward_rows_kernel(const float* gy, const int64_t* rows, const float* sco
         if (grad_scores)
           for (int64_t i = e; i < e1; ++i) {
             const int64_t n = int64_t(kk[i] & 0xffffffffu);
-            const float* g = gy + n * D;
-            fVec d0(0.0f), d1(0.0f);   // the row widened by vectors (16-bit tables), two partial sums
-            int64_t j = 0;
-            for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
-              d0 = at::vec::fmadd(fVec::loadu(g + j), load_floats(t + j), d0);
-              d1 = at::vec::fmadd(fVec::loadu(g + j + kLanes), load_floats(t + j + kLanes), d1);
-            }
-            float dot = at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, d0 + d1);
-            for (; j < D; ++j) dot += g[j] * to_acc(t[j]);
-            grad_scores[n * K + k] = dot;
+            grad_scores[n * K + k] = dot_floats(gy + n * D, t, D);
           }
         e = e1;
       }

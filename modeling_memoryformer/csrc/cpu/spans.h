@@ -21,6 +21,20 @@ template <typename T> inline fVec load_floats(const T* p) {
   }
 }
 
+// <a, b> over D values, summed in float32: a float32, b float32 or 16-bit (widened by vectors); two partial sums by
+// vectors, then the tail one value at a time.
+template <typename T> inline float dot_floats(const float* a, const T* b, int64_t D) {
+  fVec d0(0.0f), d1(0.0f);
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= D; j += 2 * kLanes) {
+    d0 = at::vec::fmadd(fVec::loadu(a + j), load_floats(b + j), d0);
+    d1 = at::vec::fmadd(fVec::loadu(a + j + kLanes), load_floats(b + j + kLanes), d1);
+  }
+  float dot = at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& y) { return x + y; }, d0 + d1);
+  for (; j < D; ++j) dot += a[j] * to_acc(b[j]);
+  return dot;
+}
+
 template <typename T> inline void prefetch_span(const T* p, int64_t w) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < int64_t(w * sizeof(T)); b += 64) __builtin_prefetch(c + b);

@@ -48,6 +48,14 @@ OP_SCHEMAS = {
     "lookup_strategy": "(Tensor rows, Tensor scores, Tensor tables, Tensor? bias, int rows_per_table, str strategy) "
                        "-> Tensor",
     "lookup_strategies": "() -> str[]",
+    # A decoder layer's decode step before and after its KV cache update and attention (csrc/cpu/decode_layer.h).
+    "decode_qkv": "(Tensor x, Tensor norm_weight, Tensor? norm_bias, float eps, str norm, Tensor tables, "
+                  "Tensor? bias, int hash_bits, str score, float temperature, Tensor cos, Tensor sin, int num_heads) "
+                  "-> Tensor",
+    "decode_block": "(Tensor x, Tensor attn, Tensor norm_weight, Tensor? norm_bias, float eps, str norm, "
+                    "bool parallel_residual, Tensor tables1, Tensor? bias1, int hash_bits1, bool gelu, "
+                    "Tensor inner_weight, Tensor? inner_bias, float inner_eps, Tensor tables2, Tensor? bias2, "
+                    "int hash_bits2, str score, float temperature) -> Tensor",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",
     "machine_info": "() -> int[]",
@@ -134,6 +142,15 @@ def _register_fakes(namespace: str) -> None:
     @fake("decode_attention")
     def _decode_attention(q, k, v, mask, scaling):
         return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+
+    @fake("decode_qkv")
+    def _decode_qkv(x, norm_weight, norm_bias, eps, norm, tables, bias, hash_bits, score, temperature, cos, sin,
+                    num_heads):
+        return x.new_empty((x.shape[0], 3 * x.shape[1]))
+
+    @fake("decode_block")
+    def _decode_block(x, attn, *args):
+        return torch.empty_like(x)
 
     @fake("rowwise_adagrad_step")
     def _rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay):

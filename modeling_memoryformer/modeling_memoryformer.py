@@ -25,11 +25,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
-from .memory_ops import (
-    decode_attention_forward,
-    few_rows_linear,
-    linear_cross_entropy,
-)
+from .decode_layer import decode_layer_step
+from .memory_ops import decode_attention_forward, few_rows_linear, linear_cross_entropy
 from .memory_layer import MemoryLayer
 from .quantization import (
     TableStorageMixin,
@@ -51,6 +48,7 @@ from .transformers_compat import (
 
 class MemoryFormerRMSNorm(nn.Module):
     """RMSNorm (the authors' code's block norm): x / rms(x) * weight."""
+    decode_norm = "rmsnorm"  # decode_layer.py's fused decode step computes it with these ops
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__()
@@ -115,8 +113,7 @@ class MemoryFormerRotaryEmbedding(nn.Module):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -303,6 +300,9 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        out = decode_layer_step(self, hidden_states, attention_mask, position_embeddings, past_key_values, kwargs)
+        if out is not None:  # a decode step on the fused kernel (decode_layer.py): the same values
+            return out
         attn_output, _ = self.attention(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,

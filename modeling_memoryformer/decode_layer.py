@@ -1,0 +1,180 @@
+"""A MemoryFormer decoder layer's decode step in two calls of the fused CPU kernel (csrc/cpu/decode_layer.h).
+
+A decode step feeds one position per sequence through every layer. Through the module tree that is about 25 small
+ops and 10 module calls per layer, each a few microseconds of Python and dispatch for a few hundred bytes of work,
+while the bytes the architecture saves (K table rows per Memory Layer) take about 100 us per layer of MF-small: the
+calls were most of the step. `decode_layer_step` runs the same layer as
+
+    decode_qkv(x)               input norm -> Q/K/V Memory Layer -> rotary on the Q and K heads
+    cache.update(k, v)          any transformers Cache, as the attention module does
+    decode_attention_forward    the attention the module runs for "sdpa" (the fused decode attention)
+    [attention.dense(attn)]     the attention output Memory Layer, where the config has one
+    decode_block(x, attn)       + residual -> post-attention norm -> Memory Block -> + residual
+
+Each op inside the two calls is the one the modules run, in their order and dtype, so the output is bit-identical
+to the modules' (tests/model/test_decode_layer.py). Where anything could make the two differ, the step declines
+(returns None) and the caller runs the modules: gradients, training, more than one position, torch.compile,
+profiling or a dispatch mode, another attention implementation or a paged cache, hooks on a submodule (other than
+transformers' output capture on the attention, whose attention weights this path never has: the modules' "sdpa"
+path returns none either), a replaced submodule (PEFT, quantisation wrappers), tables or norms of another dtype than
+the hidden states, or a kernel choice other than the fused one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .memory_kernels import _CPU_KEYS, dispatcher_watched, fused_ops, uses_fused
+from .memory_layer import MemoryLayer
+from .memory_ops import decode_attention_forward
+from .quantization import int8_cpu_path
+from .transformers_compat import is_paged_cache, update_kv_cache
+
+_CAPTURE_HOOK = "output_capturing_hook"  # transformers' output capture (utils/output_capturing.py)
+
+
+def _hooked(module: nn.Module, capture_allowed: bool = False) -> bool:
+    """Whether a forward hook or pre-hook could see or change this module's call (which the fast path skips)."""
+    if module._forward_pre_hooks:
+        return True
+    hooks = module._forward_hooks
+    if not hooks:
+        return False
+    return not capture_allowed or any(getattr(h, "__name__", None) != _CAPTURE_HOOK for h in hooks.values())
+
+
+class _Plan:
+    """One layer's operands for the two ops, and what they were read from: each step checks that every submodule and
+    parameter is still the one read (PEFT, quantisation or a user may replace them), that each tensor keeps the
+    hidden states' dtype (`.to()` swaps a parameter's data in place) and that no hook was added; else the plan is
+    derived again. About 5 us against 100 us to derive it, per layer and step."""
+
+    __slots__ = ("dtype", "links", "tensors", "tables", "int8", "watched", "qkv", "block")
+
+    def __init__(self, dtype):
+        self.dtype, self.links, self.tensors, self.tables, self.int8, self.watched = dtype, [], [], [], [], []
+
+    def child(self, parent: nn.Module, name: str) -> nn.Module | None:
+        module = parent._modules.get(name)
+        self.links.append((parent._modules, name, module))
+        return module
+
+    def parameter(self, module: nn.Module, name: str) -> torch.Tensor | None:
+        value = module._parameters.get(name)
+        self.links.append((module._parameters, name, value))
+        if value is not None:
+            self.tensors.append(value)
+        return value
+
+    def norm(self, norm: nn.Module | None):
+        """(weight, bias, eps, kind) of a block norm the op computes as its module does, else None."""
+        if norm is None:
+            return None
+        self.watched.append(norm)
+        kind = "layernorm" if type(norm) is nn.LayerNorm else getattr(type(norm), "decode_norm", None)
+        weight = self.parameter(norm, "weight")
+        if kind == "layernorm" and weight is not None and len(norm.normalized_shape) == 1:
+            return weight, self.parameter(norm, "bias"), norm.eps, kind
+        if kind == "rmsnorm" and weight is not None:
+            return weight, None, norm.variance_epsilon, kind
+        return None
+
+    def memory_layer(self, layer: nn.Module | None, in_features: int):
+        """(tables, bias, hash_bits) of a Memory Layer whose lookup the op runs as the module would (the fused kernel's
+        hash and lookup, or int8_lookup on the assembled int8 block), else None."""
+        if type(layer) is not MemoryLayer or layer.in_features != in_features:
+            return None
+        self.watched.append(layer)
+        bias = self.parameter(layer, "bias")
+        if layer.table_dtype == "int8":
+            block = layer._int8_tables()[3]
+            if block is None or self.dtype == torch.float64:
+                return None
+            self.int8.append((layer.__dict__, layer._int8_block))
+            return block, bias, layer.hash_bits
+        tables = self.parameter(layer, "tables")
+        if tables is None:
+            return None
+        self.tables.append(tables)
+        return tables, bias, layer.hash_bits
+
+    def holds(self, dtype, tokens: int) -> bool:
+        return (dtype is self.dtype and all(links.get(name) is value for links, name, value in self.links)
+                and all(t.dtype is dtype for t in self.tensors) and all(t.is_contiguous() for t in self.tables)
+                and all(state.get("_int8_block") is block for state, block in self.int8)
+                and not (self.int8 and int8_cpu_path(tokens) != "fused")
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.watched))
+
+
+def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan | None:
+    """The layer's plan for hidden states of `dtype`, or None where the ops cannot run it as its modules do."""
+    plan = _Plan(dtype)
+    attention, block = plan.child(layer, "attention"), plan.child(layer, "memory_block")
+    if attention is None or block is None:
+        return None
+    norm1 = plan.norm(plan.child(layer, "input_layernorm"))
+    norm2 = plan.norm(plan.child(layer, "post_attention_layernorm"))
+    for name in ("post_attention_dropout", "post_memory_dropout"):
+        dropout = plan.child(layer, name)
+        if type(dropout) is not nn.Dropout:
+            return None
+        plan.watched.append(dropout)
+    hidden = attention.hidden_size
+    qkv_layer = plan.child(attention, "query_key_value")
+    plan.child(attention, "dense")  # called as a module (with its own fast path), if the config has one
+    layer1, act, inner, layer2 = (plan.child(block, name) for name in ("layer1", "act", "norm", "layer2"))
+    inner = plan.norm(inner)
+    plan.watched += [block, act]
+    qkv, tables1 = plan.memory_layer(qkv_layer, hidden), plan.memory_layer(layer1, hidden)
+    gelu = type(act) is nn.GELU and act.approximate == "none"
+    if (norm1 is None or norm2 is None or qkv is None or tables1 is None or inner is None or inner[3] != "layernorm"
+            or not (gelu or type(act) is nn.Identity)):
+        return None
+    tables2 = plan.memory_layer(layer2, layer1.out_features)
+    if tables2 is None or (layer2.score, layer2.temperature) != (layer1.score, layer1.temperature):
+        return None
+    plan.qkv = (*norm1, *qkv, qkv_layer.score, qkv_layer.temperature)
+    plan.block = (*norm2, layer.use_parallel_residual, *tables1, gelu, *inner[:3], *tables2, layer1.score,
+                  layer1.temperature)
+    return plan if plan.holds(dtype, tokens) else None
+
+
+def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
+                      kwargs: dict) -> torch.Tensor | None:
+    """`MemoryFormerDecoderLayer.forward` for a decode step ([batch, 1, hidden] on the CPU, no gradient, the "sdpa"
+    attention, a non-paged cache) in two fused-kernel calls; None where it does not apply (see the module's
+    docstring): the caller runs the modules, which give the same values."""
+    if (hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or cache is None or layer.training
+            or torch.is_grad_enabled() or hidden_states.device.type != "cpu" or dispatcher_watched()
+            or is_paged_cache(cache) or not uses_fused(hidden_states)):
+        return None
+    module = nn.modules.module
+    attention = layer._modules["attention"]
+    if (module._global_forward_hooks or module._global_forward_pre_hooks or _hooked(attention, True)
+            or ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, None) is not
+            ALL_ATTENTION_FUNCTIONS.get("sdpa")):
+        return None
+    batch, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    dtype = hidden_states.dtype
+    plan = layer.__dict__.get("_decode_plan")
+    if plan is None or not plan.holds(dtype, batch):
+        plan = _plan(layer, dtype, batch)
+        layer.__dict__["_decode_plan"] = plan
+        if plan is None:
+            return None
+    ops = fused_ops()
+    x = hidden_states.reshape(batch, hidden)
+    cos, sin = position_embeddings
+    qkv = ops.decode_qkv.default.redispatch(_CPU_KEYS, x, *plan.qkv, cos, sin, attention.num_heads)
+    query, key, value = qkv.view(batch, 1, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4)
+    key, value = update_kv_cache(cache, key, value, attention.layer_idx, ALL_ATTENTION_FUNCTIONS.get("sdpa"), kwargs)
+    attn, _ = decode_attention_forward(attention, query, key, value, attention_mask, dropout=0.0,
+                                       scaling=attention.scaling, **kwargs)
+    attn = attn.reshape(batch, 1, hidden).contiguous()
+    if attention.dense is not None:
+        attn = attention.dense(attn)
+    out = ops.decode_block.default.redispatch(_CPU_KEYS, x, attn.view(batch, hidden), *plan.block)
+    return out.view(batch, 1, hidden)

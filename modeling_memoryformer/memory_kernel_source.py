@@ -41,6 +41,9 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/cpu/prelude.h"
 // - linear_rows(x[M, D], weight[V, D], bias?) -> y[M, V] for 1 <= M <= 4 rows (the LM head while decoding).
 // - decode_attention(q[B, H, 1, D], k[B, Hkv, T, D], v, mask?, scaling) -> [B, 1, H, D]: attention of one query
 //       position per sequence over its KV cache, in float32 (see attention.h).
+// - decode_qkv(x[N, d], input norm, Q/K/V tables, ..., cos, sin, heads) -> [N, 3d] and decode_block(x, attn, post-
+//       attention norm, Memory Block tables and norm, ...) -> [N, d]: a decoder layer's decode step before and after
+//       its KV cache update and attention, the modules' ops in their order (see decode_layer.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").

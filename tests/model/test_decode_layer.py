@@ -1,0 +1,237 @@
+"""A decoder layer's decode step on the fused kernel (decode_layer.py: the decode_qkv and decode_block ops around the
+cache update and the decode attention) against the modules it replaces, which are the oracle: the same ops in the
+same order, so every token, every score and every cached key and value must be the same bits, on every config form
+the ops take. Where the step cannot give the modules' values (hooks, training, gradients, another attention or
+kernel), it must leave the call to the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from transformers import DynamicCache
+
+import modeling_memoryformer.modeling_memoryformer as modeling
+from modeling_memoryformer import decode_layer, memory_ops
+
+from conftest import require_kernel, tiny_model
+
+PROMPT = torch.tensor([[5, 17, 99, 42, 8, 63, 120], [0, 0, 3, 9, 27, 81, 44]])  # the second left-padded
+NEW = 6
+
+
+@pytest.fixture(autouse=True)
+def fused():
+    require_kernel("fused")
+    with memory_ops.use_kernel("fused"):
+        yield
+
+
+def counted(monkeypatch) -> list[int]:
+    """Counts the decoder-layer calls the fused step ran (its non-None returns)."""
+    runs, step = [0], decode_layer.decode_layer_step
+
+    def counting(*args, **kwargs):
+        out = step(*args, **kwargs)
+        runs[0] += out is not None
+        return out
+
+    monkeypatch.setattr(modeling, "decode_layer_step", counting)
+    return runs
+
+
+def modules_only(monkeypatch) -> None:
+    monkeypatch.setattr(modeling, "decode_layer_step", lambda *args, **kwargs: None)
+
+
+def generate(model, prompt=PROMPT, **kwargs):
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.scores)
+
+
+CONFIGS = {
+    "default": {},
+    "rmsnorm": dict(norm_type="rmsnorm"),
+    "parallel_residual": dict(use_parallel_residual=True),
+    "gelu_block": dict(memory_block_activation="gelu"),
+    "attention_output_memory": dict(attention_output="memory"),
+    "no_bias": dict(memory_bias=False),
+    "l1_score_temperature": dict(hash_score="l1", hash_temperature=0.7),
+    "partial_rotary_half": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_gives_the_modules_bits_on_every_config_form(monkeypatch, name, dtype):
+    model = tiny_model(attn_implementation="sdpa", **CONFIGS[name]).to(dtype)
+    runs = counted(monkeypatch)
+    fast_tokens, fast_scores = generate(model)
+    assert runs[0] == (NEW - 1) * model.config.num_hidden_layers  # every layer of every step after the prefill
+    modules_only(monkeypatch)
+    tokens, scores = generate(model)
+    assert torch.equal(fast_tokens, tokens)
+    assert torch.equal(fast_scores, scores)  # bit for bit: the same ops in the same order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_tables_give_the_modules_bits(monkeypatch, dtype):
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    model.quantize_tables("int8")
+    runs = counted(monkeypatch)
+    fast = generate(model)
+    assert runs[0] == (NEW - 1) * model.config.num_hidden_layers
+    modules_only(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))
+
+
+def test_a_static_cache_gives_the_modules_bits(monkeypatch):
+    model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
+    runs = counted(monkeypatch)
+    fast = generate(model, cache_implementation="static")
+    assert runs[0] == (NEW - 1) * model.config.num_hidden_layers
+    modules_only(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model, cache_implementation="static")))
+
+
+def layer_step(model, hidden, cache, positions):
+    """One decoder layer (the first) on a decode step's hidden states over `cache`."""
+    position_embeddings = model.model.rotary_emb(hidden, positions)
+    with torch.inference_mode():
+        return model.model.layers[0](hidden, attention_mask=None, position_embeddings=position_embeddings,
+                                     past_key_values=cache, position_ids=positions)
+
+
+def filled_cache(model, batch: int, length: int, dtype) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(1)
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype) for _ in range(2))
+        cache.update(keys, values, layer)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_layer_writes_the_modules_keys_and_values_and_output(monkeypatch, dtype):
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    batch, length = 3, 9
+    hidden = torch.randn(batch, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    positions = torch.tensor([[length], [length], [length]])
+    fast_cache, cache = filled_cache(model, batch, length, dtype), filled_cache(model, batch, length, dtype)
+    runs = counted(monkeypatch)
+    fast = layer_step(model, hidden, fast_cache, positions)
+    assert runs[0] == 1
+    modules_only(monkeypatch)
+    expected = layer_step(model, hidden, cache, positions)
+    assert torch.equal(fast, expected)
+    assert torch.equal(fast_cache.layers[0].keys, cache.layers[0].keys)  # the rotated keys, in the cache
+    assert torch.equal(fast_cache.layers[0].values, cache.layers[0].values)
+    assert fast_cache.get_seq_length() == length + 1
+
+
+def test_the_rotation_is_the_reference_formula_in_float64():
+    """An independent oracle for the ops' one piece of own arithmetic: the rotary embedding of Q and K, as
+    apply_rotary_pos_emb writes it, on a float64 layer (no rounding between the products and the sum)."""
+    model = tiny_model().to(torch.float64)
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, 1, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[4], [11]])
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    plan = decode_layer._plan(layer, torch.float64, 2)
+    with torch.inference_mode():
+        qkv = memory_ops.fused_ops().decode_qkv(hidden.view(2, -1), *plan.qkv, cos, sin, 4)
+        plain = layer.attention.query_key_value(layer.input_layernorm(hidden))  # not rotated
+    heads = model.config.num_attention_heads
+    q, k, v = (t.view(2, 1, heads, -1).transpose(1, 2) for t in plain.chunk(3, dim=-1))
+    q_ref, k_ref = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k, got_v = (t.view(2, 1, heads, -1).transpose(1, 2) for t in qkv.view(2, 1, -1).chunk(3, dim=-1))
+    torch.testing.assert_close(got_q, q_ref, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(got_k, k_ref, rtol=1e-15, atol=1e-15)
+    assert torch.equal(got_v, v)
+
+
+def run_with(model, monkeypatch, prepare=None, **kwargs) -> int:
+    runs = counted(monkeypatch)
+    if prepare is not None:
+        prepare(model)
+    generate(model, **kwargs)
+    return runs[0]
+
+
+def test_it_steps_aside_where_it_would_skip_something(monkeypatch):
+    """Hooks on a submodule must run, a gradient must be recorded, eager attention must compute its weights: the
+    modules run those steps (the fast path returns None), and the hooks see every decode step."""
+    model = tiny_model(attn_implementation="sdpa")
+    seen = []
+    handle = model.model.layers[1].memory_block.layer1.register_forward_hook(lambda *args: seen.append(1))
+    assert run_with(model, monkeypatch) == (NEW - 1) * (model.config.num_hidden_layers - 1)  # layer 1 declines
+    assert len(seen) == NEW  # the prefill and every decode step
+    handle.remove()
+    assert run_with(model, monkeypatch) == (NEW - 1) * model.config.num_hidden_layers  # the plan sees it gone
+    eager = tiny_model(attn_implementation="eager")
+    assert run_with(eager, monkeypatch) == 0
+    with memory_ops.use_kernel("torch"):
+        assert run_with(model, monkeypatch) == 0
+    runs = counted(monkeypatch)
+    with torch.enable_grad():
+        model(PROMPT[:, -1:], past_key_values=filled_cache(model, 2, 3, torch.float32))
+    assert runs[0] == 0
+    model.train()
+    with torch.no_grad():
+        model(PROMPT[:, -1:], past_key_values=filled_cache(model, 2, 3, torch.float32))
+    assert runs[0] == 0
+
+
+def test_output_capture_still_gets_every_hidden_state(monkeypatch):
+    """transformers' output capture hooks the decoder layers (which run either way) and the attention (whose weights
+    the "sdpa" path never returns): the fast path keeps running, and the captured states are the modules'."""
+    model = tiny_model(attn_implementation="sdpa")
+    step = PROMPT[:, -1:]
+
+    def captured():
+        with torch.inference_mode():
+            return model(step, past_key_values=filled_cache(model, 2, 3, torch.float32), output_hidden_states=True,
+                         output_attentions=True)
+
+    runs = counted(monkeypatch)
+    fast = captured()
+    assert runs[0] == model.config.num_hidden_layers
+    modules_only(monkeypatch)
+    slow = captured()
+    assert len(fast.hidden_states) == model.config.num_hidden_layers + 1
+    assert all(torch.equal(a, b) for a, b in zip(fast.hidden_states, slow.hidden_states))
+
+
+def test_the_plan_follows_replaced_parameters_and_dtypes(monkeypatch):
+    """A plan is derived once per layer; quantising the tables or casting the model afterwards must not leave it
+    reading the old tensors."""
+    model = tiny_model(attn_implementation="sdpa")
+    generate(model)
+    assert all(layer.__dict__.get("_decode_plan") is not None for layer in model.model.layers)
+    for change in (lambda m: m.to(torch.bfloat16), lambda m: m.quantize_tables("int8")):
+        change(model)
+        fast = generate(model)
+        modules_only(monkeypatch)
+        assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))
+        monkeypatch.undo()
+
+
+def test_a_replaced_submodule_is_run_as_a_module(monkeypatch):
+    model = tiny_model(attn_implementation="sdpa")
+    generate(model)
+
+    class Doubling(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return 2 * self.inner(x)
+
+    model.model.layers[0].memory_block.layer2 = Doubling(model.model.layers[0].memory_block.layer2)
+    assert run_with(model, monkeypatch) == (NEW - 1) * (model.config.num_hidden_layers - 1)

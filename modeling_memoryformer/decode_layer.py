@@ -16,7 +16,7 @@ to the modules' (tests/model/test_decode_layer.py). Where anything could make th
 (returns None) and the caller runs the modules: gradients, training, more than one position, torch.compile,
 profiling or a dispatch mode, another attention implementation or a paged cache, hooks on a submodule (other than
 transformers' output capture on the attention, whose attention weights this path never has: the modules' "sdpa"
-path returns none either), a replaced submodule (PEFT, quantisation wrappers), tables or norms of another dtype than
+path returns none either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT, quantisation wrappers), tables or norms of another dtype than
 the hidden states, or a kernel choice other than the fused one.
 """
 
@@ -37,8 +37,9 @@ _CAPTURE_HOOK = "output_capturing_hook"  # transformers' output capture (utils/o
 
 
 def _hooked(module: nn.Module, capture_allowed: bool = False) -> bool:
-    """Whether a forward hook or pre-hook could see or change this module's call (which the fast path skips)."""
-    if module._forward_pre_hooks:
+    """Whether a forward hook or pre-hook, or a forward replaced on the instance (accelerate's hooks, which move
+    offloaded weights in), could see or change this module's call (which the fast path skips)."""
+    if module._forward_pre_hooks or "forward" in module.__dict__:
         return True
     hooks = module._forward_hooks
     if not hooks:
@@ -93,6 +94,8 @@ class _Plan:
             block = layer._int8_tables()[3]
             if block is None or self.dtype == torch.float64:
                 return None
+            for name in ("tables_codes", "tables_scale", "tables_offset"):
+                self.links.append((layer._buffers, name, layer._buffers.get(name)))
             self.int8.append((layer.__dict__, layer._int8_block))
             return block, bias, layer.hash_bits
         tables = self.parameter(layer, "tables")
@@ -106,7 +109,7 @@ class _Plan:
                 and all(t.dtype is dtype for t in self.tensors) and all(t.is_contiguous() for t in self.tables)
                 and all(state.get("_int8_block") is block for state, block in self.int8)
                 and not (self.int8 and int8_cpu_path(tokens) != "fused")
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.watched))
+                and not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self.watched))
 
 
 def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan | None:

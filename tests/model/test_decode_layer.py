@@ -173,6 +173,11 @@ def test_it_steps_aside_where_it_would_skip_something(monkeypatch):
     assert len(seen) == NEW  # the prefill and every decode step
     handle.remove()
     assert run_with(model, monkeypatch) == (NEW - 1) * model.config.num_hidden_layers  # the plan sees it gone
+    qkv = model.model.layers[0].attention.query_key_value
+    qkv.forward = lambda x, forward=qkv.forward: seen.append(2) or forward(x)  # as accelerate's hooks replace it
+    assert run_with(model, monkeypatch) == (NEW - 1) * (model.config.num_hidden_layers - 1)
+    assert seen.count(2) == NEW
+    del qkv.forward
     eager = tiny_model(attn_implementation="eager")
     assert run_with(eager, monkeypatch) == 0
     with memory_ops.use_kernel("torch"):

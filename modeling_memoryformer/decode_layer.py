@@ -57,7 +57,7 @@ class _Plan:
     hidden states' dtype (`.to()` swaps a parameter's data in place) and that no hook was added; else the plan is
     derived again. A few us against 100 us to derive it, per layer and step."""
 
-    __slots__ = ("dtype", "links", "tensors", "tables", "int8", "watched", "qkv", "block")
+    __slots__ = ("dtype", "links", "tensors", "tables", "int8", "watched", "qkv", "block", "snapshot", "ok")
 
     def __init__(self, dtype):
         self.dtype, self.links, self.tensors, self.tables, self.int8, self.watched = dtype, [], [], [], [], []
@@ -108,37 +108,55 @@ class _Plan:
         self.tables.append(tables)
         return tables, bias, layer.hash_bits
 
-    def freeze(self) -> None:
-        """The checks of `holds` as flat tuples, which it runs as C-level loops (map, all, any)."""
+    def freeze(self, ok: bool, tokens: int) -> _Plan:
+        """Ends the derivation: the checks of `state` as flat tuples, which it runs as C-level loops, and the state
+        that `holds` compares against."""
         self.links = tuple(zip(*self.links)) if self.links else ((), (), ())
         self.watched = tuple(m.__dict__ for m in self.watched)   # each module's attributes: hooks, forward
         self.tensors, self.tables = tuple(self.tensors), tuple(self.tables)
-        self.int8 = tuple(zip(*self.int8)) if self.int8 else ()
+        self.int8 = tuple(zip(*self.int8)) if self.int8 else ((), ())
+        self.snapshot = self.state(self.dtype, tokens)
+        self.ok = ok and self.snapshot == self.state_ok
+        return self
 
-    def holds(self, dtype, tokens: int) -> bool:
+    def state(self, dtype, tokens: int) -> tuple:
+        """What the derivation read, as values: whether each submodule and parameter is the one read, each tensor's
+        dtype, the tables' contiguity, the hooks and replaced forwards, the int8 blocks and the int8 path."""
         dicts, names, values = self.links
         watched = self.watched
-        return (dtype is self.dtype and all(map(is_, map(dict.get, dicts, names), values))
-                and all(map(is_, map(_DTYPE, self.tensors), repeat(dtype)))
-                and all(map(torch.Tensor.is_contiguous, self.tables))
-                and not any(map(_FORWARD_HOOKS, watched)) and not any(map(_PRE_HOOKS, watched))
-                and not any(map(contains, watched, repeat("forward")))
-                and (not self.int8 or (all(map(is_, map(dict.get, self.int8[0], repeat("_int8_block")), self.int8[1]))
-                                       and int8_cpu_path(tokens) == "fused")))
+        return (dtype, tuple(map(is_, map(dict.get, dicts, names), values)), tuple(map(_DTYPE, self.tensors)),
+                tuple(map(torch.Tensor.is_contiguous, self.tables)), tuple(map(bool, map(_FORWARD_HOOKS, watched))),
+                tuple(map(bool, map(_PRE_HOOKS, watched))), tuple(map(contains, watched, repeat("forward"))),
+                tuple(map(is_, map(dict.get, self.int8[0], repeat("_int8_block")), self.int8[1])),
+                bool(self.int8[0]) and int8_cpu_path(tokens))
+
+    @property
+    def state_ok(self) -> tuple:
+        """The state under which the ops run the layer as its modules: everything as read, every tensor in the
+        hidden states' dtype, contiguous tables, no hook, no replaced forward, the fused int8 path."""
+        watched = len(self.watched)
+        return (self.dtype, (True,) * len(self.links[0]), (self.dtype,) * len(self.tensors), (True,) * len(self.tables),
+                (False,) * watched, (False,) * watched, (False,) * watched, (True,) * len(self.int8[0]),
+                bool(self.int8[0]) and "fused")
+
+    def holds(self, dtype, tokens: int) -> bool:
+        """Whether the decision (run the ops or not) and the operands of this plan still stand."""
+        return self.state(dtype, tokens) == self.snapshot
 
 
-def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan | None:
-    """The layer's plan for hidden states of `dtype`, or None where the ops cannot run it as its modules do."""
+def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
+    """The layer's plan for hidden states of `dtype`; `plan.ok` False where the ops cannot run it as its modules do
+    (kept too, so that a layer the step declines costs a state check per step, not a derivation)."""
     plan = _Plan(dtype)
     attention, block = plan.child(layer, "attention"), plan.child(layer, "memory_block")
-    if attention is None or block is None:
-        return None
+    if type(attention).__name__ != "MemoryFormerAttention" or type(block).__name__ != "MemoryBlock":
+        return plan.freeze(False, tokens)  # replaced (by name: a model folder's remote code has its own classes)
     norm1 = plan.norm(plan.child(layer, "input_layernorm"))
     norm2 = plan.norm(plan.child(layer, "post_attention_layernorm"))
     for name in ("post_attention_dropout", "post_memory_dropout"):
         dropout = plan.child(layer, name)
         if type(dropout) is not nn.Dropout:
-            return None
+            return plan.freeze(False, tokens)
         plan.watched.append(dropout)
     hidden = attention.hidden_size
     qkv_layer = plan.child(attention, "query_key_value")
@@ -150,15 +168,14 @@ def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan | None:
     gelu = type(act) is nn.GELU and act.approximate == "none"
     if (norm1 is None or norm2 is None or qkv is None or tables1 is None or inner is None or inner[3] != "layernorm"
             or not (gelu or type(act) is nn.Identity)):
-        return None
+        return plan.freeze(False, tokens)
     tables2 = plan.memory_layer(layer2, layer1.out_features)
     if tables2 is None or (layer2.score, layer2.temperature) != (layer1.score, layer1.temperature):
-        return None
+        return plan.freeze(False, tokens)
     plan.qkv = (*norm1, *qkv, qkv_layer.score, qkv_layer.temperature)
     plan.block = (*norm2, layer.use_parallel_residual, *tables1, gelu, *inner[:3], *tables2, layer1.score,
                   layer1.temperature)
-    plan.freeze()
-    return plan if plan.holds(dtype, tokens) else None
+    return plan.freeze(True, tokens)
 
 
 def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
@@ -181,10 +198,9 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     dtype = hidden_states.dtype
     plan = layer.__dict__.get("_decode_plan")
     if plan is None or not plan.holds(dtype, batch):
-        plan = _plan(layer, dtype, batch)
-        layer.__dict__["_decode_plan"] = plan
-        if plan is None:
-            return None
+        plan = layer.__dict__["_decode_plan"] = _plan(layer, dtype, batch)
+    if not plan.ok:
+        return None
     ops = fused_ops()
     x = hidden_states.reshape(batch, hidden)
     cos, sin = position_embeddings

@@ -239,4 +239,10 @@ def test_a_replaced_submodule_is_run_as_a_module(monkeypatch):
             return 2 * self.inner(x)
 
     model.model.layers[0].memory_block.layer2 = Doubling(model.model.layers[0].memory_block.layer2)
+    derived, plan = [], decode_layer._plan
+    monkeypatch.setattr(decode_layer, "_plan", lambda *args: derived.append(1) or plan(*args))
     assert run_with(model, monkeypatch) == (NEW - 1) * (model.config.num_hidden_layers - 1)
+    assert len(derived) == 1  # the declined layer's plan is kept: a state check per step, not a derivation
+    fast = generate(model)
+    modules_only(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))

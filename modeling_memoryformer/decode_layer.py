@@ -100,7 +100,7 @@ class _Plan:
                 return None
             for name in ("tables_codes", "tables_scale", "tables_offset"):
                 self.links.append((layer._buffers, name, layer._buffers.get(name)))
-            self.int8.append((layer.__dict__, layer._int8_block))
+            self.int8.append((layer, layer._int8_block))
             return block, bias, layer.hash_bits
         tables = self.parameter(layer, "tables")
         if tables is None:
@@ -112,7 +112,7 @@ class _Plan:
         """Ends the derivation: the checks of `state` as flat tuples, which it runs as C-level loops, and the state
         that `holds` compares against."""
         self.links = tuple(zip(*self.links)) if self.links else ((), (), ())
-        self.watched = tuple(m.__dict__ for m in self.watched)   # each module's attributes: hooks, forward
+        self.watched = tuple(self.watched)   # modules, not their __dict__s: a deepcopy of the model maps them
         self.tensors, self.tables = tuple(self.tensors), tuple(self.tables)
         self.int8 = tuple(zip(*self.int8)) if self.int8 else ((), ())
         self.snapshot = self.state(self.dtype, tokens)
@@ -123,11 +123,11 @@ class _Plan:
         """What the derivation read, as values: whether each submodule and parameter is the one read, each tensor's
         dtype, the tables' contiguity, the hooks and replaced forwards, the int8 blocks and the int8 path."""
         dicts, names, values = self.links
-        watched = self.watched
+        watched = tuple(map(vars, self.watched))   # each module's attributes: hooks, a forward set on the instance
         return (dtype, tuple(map(is_, map(dict.get, dicts, names), values)), tuple(map(_DTYPE, self.tensors)),
                 tuple(map(torch.Tensor.is_contiguous, self.tables)), tuple(map(bool, map(_FORWARD_HOOKS, watched))),
                 tuple(map(bool, map(_PRE_HOOKS, watched))), tuple(map(contains, watched, repeat("forward"))),
-                tuple(map(is_, map(dict.get, self.int8[0], repeat("_int8_block")), self.int8[1])),
+                tuple(map(is_, map(dict.get, map(vars, self.int8[0]), repeat("_int8_block")), self.int8[1])),
                 bool(self.int8[0]) and int8_cpu_path(tokens))
 
     @property

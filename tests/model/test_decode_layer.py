@@ -246,3 +246,25 @@ def test_a_replaced_submodule_is_run_as_a_module(monkeypatch):
     fast = generate(model)
     modules_only(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))
+
+
+def test_a_deep_copy_of_the_model_gets_plans_of_its_own(monkeypatch):
+    """copy.deepcopy (an EMA or teacher copy) carries the plans; each must check and read the copy's modules."""
+    import copy
+
+    model = tiny_model(attn_implementation="sdpa")
+    generate(model)
+    twin = copy.deepcopy(model)
+    seen = []
+    qkv = twin.model.layers[0].attention.query_key_value
+    qkv.forward = lambda x, forward=qkv.forward: seen.append(1) or forward(x)  # on the copy only
+    with torch.no_grad():
+        for table in (twin.model.layers[1].memory_block.layer1.tables,):
+            table.mul_(-1)  # the copy's tables differ from the original's
+    assert run_with(twin, monkeypatch) == (NEW - 1) * (twin.model.config.num_hidden_layers - 1)
+    assert len(seen) == NEW
+    fast = generate(twin)
+    modules_only(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(fast, generate(twin)))
+    assert not torch.equal(generate(twin)[1], generate(model)[1])
+

@@ -188,7 +188,9 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
             or is_paged_cache(cache) or not uses_fused(hidden_states)):
         return None
     module = nn.modules.module
-    attention = layer._modules["attention"]
+    attention = layer._modules.get("attention")
+    if type(attention).__name__ != "MemoryFormerAttention":  # replaced: it may have no config to read
+        return None
     implementation = attention.config._attn_implementation
     if (module._global_forward_hooks or module._global_forward_pre_hooks or _hooked(attention, True)
             or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not

@@ -238,6 +238,10 @@ def test_a_replaced_submodule_is_run_as_a_module(monkeypatch):
         def forward(self, x):
             return 2 * self.inner(x)
 
+    replaced = tiny_model(attn_implementation="sdpa")
+    replaced.model.layers[0].attention = Doubling(replaced.model.layers[0].attention)  # no config, no heads
+    with pytest.raises(TypeError):  # the module path's own error (Doubling takes one argument): the step declined
+        generate(replaced)
     model.model.layers[0].memory_block.layer2 = Doubling(model.model.layers[0].memory_block.layer2)
     derived, plan = [], decode_layer._plan
     monkeypatch.setattr(decode_layer, "_plan", lambda *args: derived.append(1) or plan(*args))

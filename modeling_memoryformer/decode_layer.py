@@ -203,9 +203,12 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
         plan = layer.__dict__["_decode_plan"] = _plan(layer, dtype, batch)
     if not plan.ok:
         return None
+    cos, sin = position_embeddings
+    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and cos.shape[1] == 1
+            and cos.shape[0] in (1, batch) and sin.shape == cos.shape):
+        return None  # rotary tables of another form (passed in by a caller): the modules broadcast and promote them
     ops = fused_ops()
     x = hidden_states.reshape(batch, hidden)
-    cos, sin = position_embeddings
     qkv = ops.decode_qkv.default.redispatch(_CPU_KEYS, x, *plan.qkv, cos, sin, attention.num_heads)
     query, key, value = qkv.view(batch, 1, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4).unbind()
     key, value = update_kv_cache(cache, key, value, attention.layer_idx, ALL_ATTENTION_FUNCTIONS.get("sdpa"), kwargs)

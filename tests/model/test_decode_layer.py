@@ -272,3 +272,21 @@ def test_a_deep_copy_of_the_model_gets_plans_of_its_own(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(fast, generate(twin)))
     assert not torch.equal(generate(twin)[1], generate(model)[1])
 
+
+def test_rotary_tables_of_another_dtype_are_left_to_the_modules(monkeypatch):
+    model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    positions = torch.tensor([[3], [3]])
+    cos, sin = (t.float() for t in model.model.rotary_emb(hidden, positions))  # float32 for a bf16 layer
+    runs = counted(monkeypatch)
+
+    def step(cache):
+        with torch.inference_mode():
+            return model.model.layers[0](hidden, attention_mask=None, position_embeddings=(cos, sin),
+                                         past_key_values=cache, position_ids=positions)
+
+    fast = step(filled_cache(model, 2, 3, torch.bfloat16))
+    assert runs[0] == 0
+    modules_only(monkeypatch)
+    assert torch.equal(fast, step(filled_cache(model, 2, 3, torch.bfloat16)))
+

@@ -16,8 +16,9 @@ to the modules' (tests/model/test_decode_layer.py). Where anything could make th
 (returns None) and the caller runs the modules: gradients, training, more than one position, torch.compile,
 profiling or a dispatch mode, another attention implementation or a paged cache, hooks on a submodule (other than
 transformers' output capture on the attention, whose attention weights this path never has: the modules' "sdpa"
-path returns none either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT, quantisation wrappers), tables or norms of another dtype than
-the hidden states, or a kernel choice other than the fused one.
+path returns none either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT,
+quantisation wrappers), tables, norms or rotary tables of another dtype than the hidden states, or a kernel choice
+other than the fused one.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ def test_the_rotation_is_the_reference_formula_in_float64():
     apply_rotary_pos_emb writes it, on a float64 layer (no rounding between the products and the sum)."""
     model = tiny_model().to(torch.float64)
     layer = model.model.layers[0]
-    hidden = torch.randn(2, 1, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 1, model.config.hidden_size, dtype=torch.float64, generator=generator)
     positions = torch.tensor([[4], [11]])
     cos, sin = model.model.rotary_emb(hidden, positions)
     plan = decode_layer._plan(layer, torch.float64, 2)

@@ -41,15 +41,13 @@ _CAPTURE_HOOK = "output_capturing_hook"  # transformers' output capture (utils/o
 _DTYPE, _FORWARD_HOOKS, _PRE_HOOKS = attrgetter("dtype"), itemgetter("_forward_hooks"), itemgetter("_forward_pre_hooks")
 
 
-def _hooked(module: nn.Module, capture_allowed: bool = False) -> bool:
-    """Whether a forward hook or pre-hook, or a forward replaced on the instance (accelerate's hooks, which move
-    offloaded weights in), could see or change this module's call (which the fast path skips)."""
-    if module._forward_pre_hooks or "forward" in module.__dict__:
+def _attention_hooked(attention: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook other than transformers' output capture, or a forward replaced on the
+    instance (accelerate's hooks, which move offloaded weights in), could see or change the attention's call (which
+    the fast path skips). The plan checks the other submodules (`_Plan.state`), where no hook is allowed."""
+    if attention._forward_pre_hooks or "forward" in attention.__dict__:
         return True
-    hooks = module._forward_hooks
-    if not hooks:
-        return False
-    return not capture_allowed or any(getattr(h, "__name__", None) != _CAPTURE_HOOK for h in hooks.values())
+    return any(getattr(h, "__name__", None) != _CAPTURE_HOOK for h in attention._forward_hooks.values())
 
 
 class _Plan:
@@ -193,7 +191,7 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     if type(attention).__name__ != "MemoryFormerAttention":  # replaced: it may have no config to read
         return None
     implementation = attention.config._attn_implementation
-    if (module._global_forward_hooks or module._global_forward_pre_hooks or _hooked(attention, True)
+    if (module._global_forward_hooks or module._global_forward_pre_hooks or _attention_hooked(attention)
             or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
                 ALL_ATTENTION_FUNCTIONS.get("sdpa"))):
         return None

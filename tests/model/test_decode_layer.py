@@ -52,6 +52,14 @@ def generate(model, prompt=PROMPT, **kwargs):
     return out.sequences, torch.stack(out.scores)
 
 
+def generates_the_modules_bits(model, monkeypatch, **kwargs) -> bool:
+    """`generate` as it runs now, then with the modules only (the oracle): the same tokens and scores, bit for bit.
+    Leaves the modules-only path in place."""
+    fast = generate(model, **kwargs)
+    modules_only(monkeypatch)
+    return all(torch.equal(a, b) for a, b in zip(fast, generate(model, **kwargs)))
+
+
 CONFIGS = {
     "default": {},
     "rmsnorm": dict(norm_type="rmsnorm"),
@@ -83,19 +91,15 @@ def test_int8_tables_give_the_modules_bits(monkeypatch, dtype):
     model = tiny_model(attn_implementation="sdpa").to(dtype)
     model.quantize_tables("int8")
     runs = counted(monkeypatch)
-    fast = generate(model)
+    assert generates_the_modules_bits(model, monkeypatch)
     assert runs[0] == (NEW - 1) * model.config.num_hidden_layers
-    modules_only(monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))
 
 
 def test_a_static_cache_gives_the_modules_bits(monkeypatch):
     model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
     runs = counted(monkeypatch)
-    fast = generate(model, cache_implementation="static")
+    assert generates_the_modules_bits(model, monkeypatch, cache_implementation="static")
     assert runs[0] == (NEW - 1) * model.config.num_hidden_layers
-    modules_only(monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model, cache_implementation="static")))
 
 
 def layer_step(model, hidden, cache, positions):
@@ -156,11 +160,9 @@ def test_the_rotation_is_the_reference_formula_in_float64():
     assert torch.equal(got_v, v)
 
 
-def run_with(model, monkeypatch, prepare=None, **kwargs) -> int:
+def run_with(model, monkeypatch) -> int:
     runs = counted(monkeypatch)
-    if prepare is not None:
-        prepare(model)
-    generate(model, **kwargs)
+    generate(model)
     return runs[0]
 
 
@@ -221,9 +223,7 @@ def test_the_plan_follows_replaced_parameters_and_dtypes(monkeypatch):
     assert all(layer.__dict__.get("_decode_plan") is not None for layer in model.model.layers)
     for change in (lambda m: m.to(torch.bfloat16), lambda m: m.quantize_tables("int8")):
         change(model)
-        fast = generate(model)
-        modules_only(monkeypatch)
-        assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))
+        assert generates_the_modules_bits(model, monkeypatch)
         monkeypatch.undo()
 
 
@@ -248,9 +248,7 @@ def test_a_replaced_submodule_is_run_as_a_module(monkeypatch):
     monkeypatch.setattr(decode_layer, "_plan", lambda *args: derived.append(1) or plan(*args))
     assert run_with(model, monkeypatch) == (NEW - 1) * (model.config.num_hidden_layers - 1)
     assert len(derived) == 1  # the declined layer's plan is kept: a state check per step, not a derivation
-    fast = generate(model)
-    modules_only(monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model)))
+    assert generates_the_modules_bits(model, monkeypatch)
 
 
 def test_a_deep_copy_of_the_model_gets_plans_of_its_own(monkeypatch):
@@ -268,9 +266,7 @@ def test_a_deep_copy_of_the_model_gets_plans_of_its_own(monkeypatch):
             table.mul_(-1)  # the copy's tables differ from the original's
     assert run_with(twin, monkeypatch) == (NEW - 1) * (twin.model.config.num_hidden_layers - 1)
     assert len(seen) == NEW
-    fast = generate(twin)
-    modules_only(monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(fast, generate(twin)))
+    assert generates_the_modules_bits(twin, monkeypatch)
     assert not torch.equal(generate(twin)[1], generate(model)[1])
 
 

@@ -29,16 +29,18 @@ from operator import attrgetter, contains, is_, itemgetter
 import torch
 from torch import nn
 
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .memory_kernels import _CPU_KEYS, dispatcher_watched, fused_ops, uses_fused
 from .memory_layer import MemoryLayer
-from .memory_ops import decode_attention_forward
+from .memory_ops import _DECODE_ATTENTION_DTYPES, _NOT_FOR_DECODE_ATTENTION, decode_attention_forward
 from .quantization import int8_cpu_path
-from .transformers_compat import is_paged_cache, update_kv_cache
+from .transformers_compat import cache_grows_by_cat, is_paged_cache, outputs_captured, update_kv_cache
 
 _CAPTURE_HOOK = "output_capturing_hook"  # transformers' output capture (utils/output_capturing.py)
 _DTYPE, _FORWARD_HOOKS, _PRE_HOOKS = attrgetter("dtype"), itemgetter("_forward_hooks"), itemgetter("_forward_pre_hooks")
+_TRAINING, _SHAPE, _IS_CPU = itemgetter("training"), attrgetter("shape"), attrgetter("is_cpu")
 
 
 def _attention_hooked(attention: nn.Module) -> bool:
@@ -56,10 +58,12 @@ class _Plan:
     hidden states' dtype (`.to()` swaps a parameter's data in place) and that no hook was added; else the plan is
     derived again. A few us against 100 us to derive it, per layer and step."""
 
-    __slots__ = ("dtype", "links", "tensors", "tables", "int8", "watched", "qkv", "block", "snapshot", "ok")
+    __slots__ = ("dtype", "links", "tensors", "tables", "int8", "watched", "captured", "qkv", "block", "stack",
+                 "snapshot", "ok")
 
     def __init__(self, dtype):
         self.dtype, self.links, self.tensors, self.tables, self.int8, self.watched = dtype, [], [], [], [], []
+        self.captured = []  # modules the step skips whose only hooks may be transformers' output capture
 
     def child(self, parent: nn.Module, name: str) -> nn.Module | None:
         module = parent._modules.get(name)
@@ -112,50 +116,56 @@ class _Plan:
         that `holds` compares against."""
         self.links = tuple(zip(*self.links)) if self.links else ((), (), ())
         self.watched = tuple(self.watched)   # modules, not their __dict__s: a deepcopy of the model maps them
+        self.captured = tuple(self.captured)
         self.tensors, self.tables = tuple(self.tensors), tuple(self.tables)
         self.int8 = tuple(zip(*self.int8)) if self.int8 else ((), ())
         self.snapshot = self.state(self.dtype, tokens)
-        self.ok = ok and self.snapshot == self.state_ok
+        captures_only = all(getattr(hook, "__name__", None) == _CAPTURE_HOOK
+                            for module in self.captured for hook in module._forward_hooks.values())
+        self.ok = ok and captures_only and self.snapshot == self.state_ok
         return self
 
     def state(self, dtype, tokens: int) -> tuple:
         """What the derivation read, as values: whether each submodule and parameter is the one read, each tensor's
         dtype, the tables' contiguity, the hooks and replaced forwards, the int8 blocks and the int8 path."""
         dicts, names, values = self.links
-        watched = tuple(map(vars, self.watched))   # each module's attributes: hooks, a forward set on the instance
+        watched = tuple(map(vars, self.watched + self.captured))  # attributes: hooks, a forward set on the instance
         return (dtype, tuple(map(is_, map(dict.get, dicts, names), values)), tuple(map(_DTYPE, self.tensors)),
-                tuple(map(torch.Tensor.is_contiguous, self.tables)), tuple(map(bool, map(_FORWARD_HOOKS, watched))),
+                tuple(map(torch.Tensor.is_contiguous, self.tables)),
+                tuple(map(bool, map(_FORWARD_HOOKS, watched[:len(self.watched)]))),
+                tuple(map(tuple, map(_FORWARD_HOOKS, watched[len(self.watched):]))),  # the hooks' ids
                 tuple(map(bool, map(_PRE_HOOKS, watched))), tuple(map(contains, watched, repeat("forward"))),
+                tuple(map(_TRAINING, watched)),
                 tuple(map(is_, map(dict.get, map(vars, self.int8[0]), repeat("_int8_block")), self.int8[1])),
                 bool(self.int8[0]) and int8_cpu_path(tokens))
 
     @property
     def state_ok(self) -> tuple:
         """The state under which the ops run the layer as its modules: everything as read, every tensor in the
-        hidden states' dtype, contiguous tables, no hook, no replaced forward, the fused int8 path."""
-        watched = len(self.watched)
+        hidden states' dtype, contiguous tables, no hook (on a captured module: output capture's, checked by
+        `freeze`), no replaced forward, nothing in training mode, the fused int8 path."""
+        watched, every = len(self.watched), len(self.watched) + len(self.captured)
         return (self.dtype, (True,) * len(self.links[0]), (self.dtype,) * len(self.tensors), (True,) * len(self.tables),
-                (False,) * watched, (False,) * watched, (False,) * watched, (True,) * len(self.int8[0]),
-                bool(self.int8[0]) and "fused")
+                (False,) * watched, self.snapshot[5], (False,) * every, (False,) * every, (False,) * every,
+                (True,) * len(self.int8[0]), bool(self.int8[0]) and "fused")
 
     def holds(self, dtype, tokens: int) -> bool:
         """Whether the decision (run the ops or not) and the operands of this plan still stand."""
         return self.state(dtype, tokens) == self.snapshot
 
 
-def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
-    """The layer's plan for hidden states of `dtype`; `plan.ok` False where the ops cannot run it as its modules do
-    (kept too, so that a layer the step declines costs a state check per step, not a derivation)."""
-    plan = _Plan(dtype)
+def _derive(plan: _Plan, layer: nn.Module) -> tuple[tuple, tuple] | None:
+    """Reads a decoder layer's operands into `plan` (and what they were read from): the arguments of decode_qkv and
+    decode_block after their first ones, or None where the ops cannot run the layer as its modules do."""
     attention, block = plan.child(layer, "attention"), plan.child(layer, "memory_block")
     if type(attention).__name__ != "MemoryFormerAttention" or type(block).__name__ != "MemoryBlock":
-        return plan.freeze(False, tokens)  # replaced (by name: a model folder's remote code has its own classes)
+        return None  # replaced (by name: a model folder's remote code has its own classes)
     norm1 = plan.norm(plan.child(layer, "input_layernorm"))
     norm2 = plan.norm(plan.child(layer, "post_attention_layernorm"))
     for name in ("post_attention_dropout", "post_memory_dropout"):
         dropout = plan.child(layer, name)
         if type(dropout) is not nn.Dropout:
-            return plan.freeze(False, tokens)
+            return None
         plan.watched.append(dropout)
     hidden = attention.hidden_size
     qkv_layer = plan.child(attention, "query_key_value")
@@ -167,14 +177,23 @@ def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
     gelu = type(act) is nn.GELU and act.approximate == "none"
     if (norm1 is None or norm2 is None or qkv is None or tables1 is None or inner is None or inner[3] != "layernorm"
             or not (gelu or type(act) is nn.Identity)):
-        return plan.freeze(False, tokens)
+        return None
     tables2 = plan.memory_layer(layer2, layer1.out_features)
     if tables2 is None or (layer2.score, layer2.temperature) != (layer1.score, layer1.temperature):
-        return plan.freeze(False, tokens)
-    plan.qkv = (*norm1, *qkv, qkv_layer.score, qkv_layer.temperature)
-    plan.block = (*norm2, layer.use_parallel_residual, *tables1, gelu, *inner[:3], *tables2, layer1.score,
-                  layer1.temperature)
-    return plan.freeze(True, tokens)
+        return None
+    return ((*norm1, *qkv, qkv_layer.score, qkv_layer.temperature),
+            (*norm2, layer.use_parallel_residual, *tables1, gelu, *inner[:3], *tables2, layer1.score,
+             layer1.temperature))
+
+
+def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
+    """The layer's plan for hidden states of `dtype`; `plan.ok` False where the ops cannot run it as its modules do
+    (kept too, so that a layer the step declines costs a state check per step, not a derivation)."""
+    plan = _Plan(dtype)
+    operands = _derive(plan, layer)
+    if operands is not None:
+        plan.qkv, plan.block = operands
+    return plan.freeze(operands is not None, tokens)
 
 
 def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
@@ -217,4 +236,106 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     if attention.dense is not None:
         attn = attention.dense(attn)
     out = ops.decode_block.default.redispatch(_CPU_KEYS, x, attn.view(batch, hidden), *plan.block)
+    return out.view(batch, 1, hidden)
+
+
+_NORM_CODES, _SCORE_CODES = {"layernorm": 0, "rmsnorm": 1}, {"paper": 0, "l1": 1}  # decode_stack's codes
+
+
+def _stack_plan(model: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
+    """The plan of `decode_stack` for a `MemoryFormerModel`: every decoder layer's operands (as `_derive` reads them),
+    flat, in `plan.stack`; `plan.ok` False where one layer cannot run on the ops, has an attention-output Memory Layer
+    (a module call between the ops) or attention of another shape than the first layer's."""
+    plan = _Plan(dtype)
+    layers = plan.child(model, "layers")
+    if type(layers) is not nn.ModuleList:
+        return plan.freeze(False, tokens)
+    modules = [plan.child(layers, name) for name in tuple(layers._modules)]
+    plan.links.append((layers._modules, str(len(modules)), None))  # a layer appended to the list
+    tensors, floats, ints, shape = [], [], [], None
+    for index, layer in enumerate(modules):
+        if type(layer).__name__ != "MemoryFormerDecoderLayer":
+            return plan.freeze(False, tokens)
+        plan.captured.append(layer)
+        operands = _derive(plan, layer)
+        if operands is None:
+            return plan.freeze(False, tokens)
+        attention = layer._modules["attention"]
+        plan.captured.append(attention)
+        if shape is None:
+            shape = (attention.num_heads, attention.head_dim, attention.scaling)
+        (w1, b1, eps1, norm1, qkv, qkv_bias, qkv_bits, qkv_score, qkv_temperature), block = operands
+        (w2, b2, eps2, norm2, parallel, t1, bias1, bits1, gelu, wi, bi, eps_i, t2, bias2, bits2, score,
+         temperature) = block
+        if (attention.dense is not None or attention.layer_idx != index or qkv_score not in _SCORE_CODES
+                or score not in _SCORE_CODES or (attention.num_heads, attention.head_dim, attention.scaling) != shape):
+            return plan.freeze(False, tokens)
+        tensors += [w1, b1, qkv, qkv_bias, w2, b2, t1, bias1, wi, bi, t2, bias2]
+        floats += [eps1, qkv_temperature, eps2, eps_i, temperature]
+        ints += [_NORM_CODES[norm1], qkv_bits, _SCORE_CODES[qkv_score], _NORM_CODES[norm2], int(parallel), bits1,
+                 int(gelu), bits2, _SCORE_CODES[score]]
+    if shape is None:
+        return plan.freeze(False, tokens)
+    plan.stack = (tensors, [float(f) for f in floats], ints, shape[0], float(shape[2]), shape[1], len(modules))
+    return plan.freeze(True, tokens)
+
+
+_LAYER_UPDATE, _CACHE_UPDATE = DynamicLayer.update, DynamicCache.update  # as `cache_grows_by_cat` found them
+_GROWN = attrgetter("keys", "values", "is_initialized")
+
+
+def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
+                      kwargs: dict) -> torch.Tensor | None:
+    """Every decoder layer of `MemoryFormerModel` for a decode step in one `decode_stack` call: the per-layer step's
+    calls (`decode_layer_step`) in C++ and the `DynamicCache`'s layers grown as `DynamicLayer.update` grows them.
+    None where it does not apply: where the per-layer step would not, a cache other than a plain `DynamicCache`
+    (static, offloaded, quantized, paged: the per-layer step then runs), output capture recording (it calls the layers),
+    an attention-output Memory Layer, a mask or keyword the decode attention does not take."""
+    if (hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or type(cache) is not DynamicCache or model.training
+            or torch.is_grad_enabled() or hidden_states.device.type != "cpu"
+            or hidden_states.dtype not in _DECODE_ATTENTION_DTYPES or dispatcher_watched()
+            or not uses_fused(hidden_states) or getattr(cache, "offloading", True) or outputs_captured()
+            or any(kwargs.get(name) is not None for name in _NOT_FOR_DECODE_ATTENTION)):
+        return None
+    module = nn.modules.module
+    implementation = model.config._attn_implementation
+    if (module._global_forward_hooks or module._global_forward_pre_hooks
+            or DynamicLayer.update is not _LAYER_UPDATE or DynamicCache.update is not _CACHE_UPDATE
+            or not cache_grows_by_cat()
+            or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
+                ALL_ATTENTION_FUNCTIONS.get("sdpa"))):
+        return None
+    batch, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    dtype = hidden_states.dtype
+    plan = model.__dict__.get("_decode_stack")
+    if plan is None or not plan.holds(dtype, batch):
+        plan = model.__dict__["_decode_stack"] = _stack_plan(model, dtype, batch)
+    if not plan.ok:
+        return None
+    tensors, floats, ints, heads, scaling, head_dim, count = plan.stack
+    layers = cache.layers
+    if len(layers) != count or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    keys, values, initialized = zip(*map(_GROWN, layers))
+    grown = keys + values
+    if not all(initialized) or len(set(map(_SHAPE, grown))) != 1 or len(set(map(_DTYPE, grown))) != 1:
+        return None
+    shape = keys[0].shape
+    if (keys[0].dtype != dtype or not keys[0].is_cpu or len(shape) != 4 or shape[0] != batch or shape[1] != heads
+            or shape[3] != head_dim or shape[2] == 0 or not all(map(_IS_CPU, grown))):
+        return None
+    cos, sin = position_embeddings
+    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and cos.shape[1] == 1
+            and cos.shape[0] in (1, batch) and sin.shape == cos.shape):
+        return None
+    mask = attention_mask
+    if mask is not None and (mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[3] != shape[2] + 1
+                             or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads)
+                             or mask.dtype not in (torch.bool, dtype) or mask.device.type != "cpu"):
+        return None
+    out, keys, values = fused_ops().decode_stack.default.redispatch(
+        _CPU_KEYS, hidden_states.reshape(batch, hidden), keys, values, mask, cos, sin, heads, scaling, tensors, floats,
+        ints)
+    for layer, key, value in zip(layers, keys, values):
+        layer.keys, layer.values = key, value
     return out.view(batch, 1, hidden)

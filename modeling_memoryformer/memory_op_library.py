@@ -56,6 +56,9 @@ OP_SCHEMAS = {
                     "bool parallel_residual, Tensor tables1, Tensor? bias1, int hash_bits1, bool gelu, "
                     "Tensor inner_weight, Tensor? inner_bias, float inner_eps, Tensor tables2, Tensor? bias2, "
                     "int hash_bits2, str score, float temperature) -> Tensor",
+    # Every decoder layer of a decode step, for a cache grown by concatenation (DynamicCache).
+    "decode_stack": "(Tensor x, Tensor[] keys, Tensor[] values, Tensor? mask, Tensor cos, Tensor sin, int num_heads, "
+                    "float scaling, Tensor?[] tensors, float[] floats, int[] ints) -> (Tensor, Tensor[], Tensor[])",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",
     "machine_info": "() -> int[]",
@@ -151,6 +154,11 @@ def _register_fakes(namespace: str) -> None:
     @fake("decode_block")
     def _decode_block(x, attn, *args):
         return torch.empty_like(x)
+
+    @fake("decode_stack")
+    def _decode_stack(x, keys, values, *args):
+        grown = [torch.cat([k, k[:, :, :1]], dim=-2) for k in keys]
+        return torch.empty_like(x), grown, [torch.cat([v, v[:, :, :1]], dim=-2) for v in values]
 
     @fake("rowwise_adagrad_step")
     def _rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay):

@@ -25,14 +25,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
-from .decode_layer import decode_layer_step
+from .decode_layer import decode_layer_step, decode_stack_step
 from .memory_ops import decode_attention_forward, few_rows_linear, linear_cross_entropy
 from .memory_layer import MemoryLayer
-from .quantization import (
-    TableStorageMixin,
-    Int8LMHead,
-    bf16_linear,
-)
+from .quantization import TableStorageMixin, Int8LMHead, bf16_linear
 from .transformers_compat import (
     CACHE_FIELD,
     CACHE_NAMES,
@@ -568,7 +564,8 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
         )
         hidden_states = self.emb_dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for decoder_layer in self.layers:
+        stacked = decode_stack_step(self, hidden_states, mask, position_embeddings, past_key_values, kwargs)
+        for decoder_layer in self.layers if stacked is None else ():  # else every layer ran in one call
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=mask,
@@ -577,7 +574,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
                 position_ids=position_ids,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(hidden_states if stacked is None else stacked)
         return with_cache(BaseModelOutputWithPast, past_key_values, last_hidden_state=hidden_states)
 
 

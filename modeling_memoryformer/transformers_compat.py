@@ -21,6 +21,10 @@ running release's own interfaces.
 - Compiled decoding: `generate` compiles the decode step by itself over a static KV cache on GPUs only; on the CPU
   it does when the `CompileConfig` carries the private flag `_compile_all_devices` (present from the oldest supported
   release to the newest). `compiled_decode_kwargs` sets it, and is the one place that names it.
+- The decode stack (`decode_layer.decode_stack_step`) grows a `DynamicCache`'s layers itself: `cache_grows_by_cat`
+  checks once, on the running release's `DynamicLayer`, that an update is `torch.cat([keys, new], dim=-2)` stored in
+  `keys` and `values` and nothing else. It skips the decoder layers' calls, so it runs only while transformers' output
+  capture records nothing (`outputs_captured`, read from `capture_outputs`' collector; a release without one: never).
 """
 
 import dataclasses
@@ -113,6 +117,39 @@ def update_kv_cache(cache, key, value, layer_idx: int, attention, kwargs: dict):
         kwargs["cache"] = cache
         return key, value
     return cache.update(key, value, layer_idx, kwargs=kwargs)
+
+
+@functools.cache
+def cache_grows_by_cat() -> bool:
+    """Whether the running release's `DynamicLayer.update` stores `torch.cat([keys, new], dim=-2)` (and the same for
+    the values) as the layer's `keys` and `values`, returns them, and changes nothing else: tried once on a layer."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+
+        layer = DynamicLayer()
+        first, new = torch.arange(8.0).view(1, 1, 2, 4), torch.arange(8.0, 12.0).view(1, 1, 1, 4)
+        layer.update(first, -first)
+        before = dict(vars(layer))
+        keys, values = layer.update(new, -new)
+        after = dict(vars(layer))
+    except Exception:  # another interface: the model's own per-layer calls
+        return False
+    grown = torch.cat([first, new], dim=-2)
+    others = {name for name in before if before[name] is not after.get(name)} | (after.keys() - before.keys())
+    return (keys is after.get("keys") and values is after.get("values") and others == {"keys", "values"}
+            and torch.equal(keys, grown) and torch.equal(values, -grown))
+
+
+try:
+    from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
+except ImportError:
+    _OUTPUT_COLLECTOR = None
+
+
+def outputs_captured() -> bool:
+    """Whether transformers' output capture (the `capture_outputs` decorator) records something in this forward, so
+    that its hooks on the decoder layers and attentions must run (True where the running release has no collector)."""
+    return _OUTPUT_COLLECTOR is None or bool(_OUTPUT_COLLECTOR.get())
 
 
 def cache_argument(past_key_values, cache):

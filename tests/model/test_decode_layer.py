@@ -22,8 +22,11 @@ NEW = 6
 
 
 @pytest.fixture(autouse=True)
-def fused():
+def fused(monkeypatch):
+    """The fused kernel, and the per-layer step on its own: the step of all layers in one call (decode_stack_step,
+    tests/model/test_decode_stack.py) is off here, so that every decode step goes through decode_layer_step."""
     require_kernel("fused")
+    monkeypatch.setattr(modeling, "decode_stack_step", lambda *args, **kwargs: None)
     with memory_ops.use_kernel("fused"):
         yield
 
@@ -42,7 +45,8 @@ def counted(monkeypatch) -> list[int]:
 
 
 def modules_only(monkeypatch) -> None:
-    monkeypatch.setattr(modeling, "decode_layer_step", lambda *args, **kwargs: None)
+    for name in ("decode_layer_step", "decode_stack_step"):
+        monkeypatch.setattr(modeling, name, lambda *args, **kwargs: None)
 
 
 def generate(model, prompt=PROMPT, **kwargs):
@@ -225,6 +229,7 @@ def test_the_plan_follows_replaced_parameters_and_dtypes(monkeypatch):
         change(model)
         assert generates_the_modules_bits(model, monkeypatch)
         monkeypatch.undo()
+        monkeypatch.setattr(modeling, "decode_stack_step", lambda *args, **kwargs: None)  # as `fused` sets it
 
 
 def test_a_replaced_submodule_is_run_as_a_module(monkeypatch):

@@ -149,13 +149,15 @@ def test_decode_fast_path_gives_the_general_paths_logits_and_tokens(dtype, table
     hash and lookup ops without the general path's checks) and rotates Q and K in one in-place pass: the same ops on the same operands, so the logits are the same
     bits and greedy decoding the same tokens as with the general path, in float32 and bfloat16. Oracle: the general
     path itself (`inference_lookup` answering None), and for the rotation the out-of-place `apply_rotary_pos_emb`,
-    which a forward hook on the Q/K/V layer selects. The decoder layers' fused decode step (which runs these layers'
-    ops inside two C++ calls, tests/model/test_decode_layer.py) is turned off, so that every step runs the modules."""
+    which a forward hook on the Q/K/V layer selects. The decoder layers' fused decode steps (which run these layers'
+    ops inside C++ calls, tests/model/test_decode_layer.py and test_decode_stack.py) are turned off, so that every
+    step runs the modules."""
     from conftest import require_kernel
     from modeling_memoryformer import memory_layer, modeling_memoryformer
 
     require_kernel("fused")
-    monkeypatch.setattr(modeling_memoryformer, "decode_layer_step", lambda *args, **kwargs: None)
+    for step in ("decode_layer_step", "decode_stack_step"):
+        monkeypatch.setattr(modeling_memoryformer, step, lambda *args, **kwargs: None)
     model = tiny_model(dtype=dtype, table_dtype=table_dtype)
     prompt = torch.tensor([[5, 17, 99, 42, 8, 63, 120], [3, 1, 4, 1, 5, 9, 2]])
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,

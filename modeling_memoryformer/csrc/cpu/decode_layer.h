@@ -112,3 +112,59 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
   y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
   return h + decode_memory_layer(y, tables2, bias2, tau2, score, temperature);
 }
+
+// Every decoder layer of a decode step in one call, for a cache whose layers grow by concatenation (transformers'
+// DynamicCache: DynamicLayer.update is torch.cat([keys, new], dim=-2)): per layer, decode_qkv, the cache's cat, the
+// decode attention and decode_block, the same ops in the same order as decode_layer.py's per-layer step, without the
+// Python between them (about 150 us per layer of MF-small). keys[l] and values[l] are layer l's cache
+// [N, heads, T, D]; the layers' operands come flat: `tensors` 12 per layer (norm1 weight and bias, Q/K/V tables and
+// bias, norm2 weight and bias, layer1 tables and bias, inner norm weight and bias, layer2 tables and bias), `floats` 5
+// (norm1 eps, Q/K/V temperature, norm2 eps, inner eps, block temperature) and `ints` 9 (norm1 kind, Q/K/V hash bits,
+// Q/K/V score, norm2 kind, parallel residual, layer1 hash bits, gelu, layer2 hash bits, block score), a kind being
+// 0 = layernorm, 1 = rmsnorm and a score 0 = paper, 1 = l1. Returns the last layer's output and every layer's grown
+// keys and values, which the caller stores in its cache.
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_stack_op(
+    const at::Tensor& x, at::TensorList keys, at::TensorList values, const std::optional<at::Tensor>& mask,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double scaling,
+    const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints) {
+  const char* op = "memoryformer.decode_stack";
+  const int64_t L = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == L && static_cast<int64_t>(tensors.size()) == 12 * L &&
+              static_cast<int64_t>(floats.size()) == 5 * L && static_cast<int64_t>(ints.size()) == 9 * L, op,
+              ": for ", L, " layers of keys, expected as many values, 12 tensors, 5 floats and 9 ints per layer, got ",
+              values.size(), ", ", tensors.size(), ", ", floats.size(), " and ", ints.size());
+  TORCH_CHECK(x.dim() == 2 && num_heads >= 1 && x.size(1) % num_heads == 0, op, ": x must be [N, hidden] with hidden "
+              "a multiple of num_heads ", num_heads, ", got ", x.sizes());
+  const int64_t N = x.size(0), d = x.size(1), D = d / num_heads;
+  static const c10::string_view norms[] = {"layernorm", "rmsnorm"}, scores[] = {"paper", "l1"};
+  auto pick = [&](const c10::string_view* names, int64_t i) {
+    TORCH_CHECK(i == 0 || i == 1, op, ": a norm kind or score code is 0 or 1, got ", i);
+    return names[i];
+  };
+  auto tensor = [&](int64_t i) { return tensors.get(i); };
+  auto required = [&](int64_t i) {
+    const auto t = tensors.get(i);
+    TORCH_CHECK(t.has_value(), op, ": operand ", i % 12, " of layer ", i / 12, " is required");
+    return *t;
+  };
+  std::vector<at::Tensor> new_keys, new_values;
+  new_keys.reserve(L);
+  new_values.reserve(L);
+  at::Tensor h = x;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t t = 12 * l, f = 5 * l, i = 9 * l;
+    const auto qkv = decode_qkv_op(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), required(t + 2),
+                                   tensor(t + 3), ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin,
+                                   num_heads);
+    const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
+    new_keys.push_back(at::cat({keys[l], parts[1]}, -2));
+    new_values.push_back(at::cat({values[l], parts[2]}, -2));
+    const auto attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
+                          .reshape({N, 1, d}).contiguous().view({N, d});
+    h = decode_block_op(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
+                        ints[i + 4] != 0, required(t + 6), tensor(t + 7), ints[i + 5], ints[i + 6] != 0,
+                        required(t + 8), tensor(t + 9), floats[f + 3], required(t + 10), tensor(t + 11), ints[i + 7],
+                        pick(scores, ints[i + 8]), floats[f + 4]);
+  }
+  return {h, new_keys, new_values};
+}

@@ -1,0 +1,230 @@
+"""Every decoder layer of a decode step in one call of the fused kernel (decode_layer.decode_stack_step: the
+decode_stack op, for transformers' DynamicCache) against the modules it replaces, which are the oracle: the same ops
+in the same order, so every token, score, cached key and value and captured hidden state must be the same bits.
+Where it cannot give the modules' values or would skip something a user attached (hooks, output capture, another
+cache, a patched cache update, training, gradients, another attention or kernel), it must leave the step to the
+per-layer path or the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+import modeling_memoryformer.modeling_memoryformer as modeling
+from modeling_memoryformer import decode_layer, memory_ops
+from modeling_memoryformer.transformers_compat import cache_grows_by_cat
+
+from conftest import require_kernel, tiny_model
+
+PROMPT = torch.tensor([[5, 17, 99, 42, 8, 63, 120], [0, 0, 3, 9, 27, 81, 44]])  # the second left-padded
+NEW = 6
+
+
+@pytest.fixture(autouse=True)
+def fused():
+    require_kernel("fused")
+    with memory_ops.use_kernel("fused"):
+        yield
+
+
+def counted(monkeypatch) -> dict[str, int]:
+    """Counts the steps the stack ran and the decoder-layer calls the per-layer step ran (non-None returns)."""
+    runs = {"stack": 0, "layer": 0}
+
+    def counting(name, step):
+        def run(*args, **kwargs):
+            out = step(*args, **kwargs)
+            runs[name] += out is not None
+            return out
+        return run
+
+    monkeypatch.setattr(modeling, "decode_stack_step", counting("stack", decode_layer.decode_stack_step))
+    monkeypatch.setattr(modeling, "decode_layer_step", counting("layer", decode_layer.decode_layer_step))
+    return runs
+
+
+def modules_only(monkeypatch) -> None:
+    for name in ("decode_layer_step", "decode_stack_step"):
+        monkeypatch.setattr(modeling, name, lambda *args, **kwargs: None)
+
+
+def generate(model, prompt=PROMPT, **kwargs):
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.scores)
+
+
+def generates_the_modules_bits(model, monkeypatch, prompt=PROMPT, **kwargs) -> dict[str, int]:
+    """`generate` as it runs now, then with the modules only (the oracle): asserts the same tokens and scores, bit
+    for bit, and returns the counts of the first run. Leaves the modules-only path in place."""
+    runs = counted(monkeypatch)
+    fast = generate(model, prompt, **kwargs)
+    modules_only(monkeypatch)
+    slow = generate(model, prompt, **kwargs)
+    assert torch.equal(fast[0], slow[0])
+    assert torch.equal(fast[1], slow[1])
+    return dict(runs)
+
+
+CONFIGS = {
+    "default": {},
+    "rmsnorm": dict(norm_type="rmsnorm"),
+    "parallel_residual": dict(use_parallel_residual=True),
+    "gelu_block": dict(memory_block_activation="gelu"),
+    "attention_output_memory": dict(attention_output="memory"),
+    "no_bias": dict(memory_bias=False),
+    "l1_score_temperature": dict(hash_score="l1", hash_temperature=0.7),
+    "partial_rotary_half": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_gives_the_modules_bits_on_every_config_form(monkeypatch, name, dtype):
+    model = tiny_model(attn_implementation="sdpa", **CONFIGS[name]).to(dtype)
+    runs = generates_the_modules_bits(model, monkeypatch)
+    layers = model.config.num_hidden_layers
+    # An attention-output Memory Layer (a module between the ops) and float64 (no decode attention) take the
+    # per-layer step; everything else runs every decode step in one call.
+    stacked = name != "attention_output_memory" and dtype != torch.float64
+    assert runs == ({"stack": NEW - 1, "layer": 0} if stacked else {"stack": 0, "layer": (NEW - 1) * layers})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_tables_and_one_unpadded_sequence_give_the_modules_bits(monkeypatch, dtype):
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    model.quantize_tables("int8")
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
+    monkeypatch.undo()
+    assert generates_the_modules_bits(model, monkeypatch, prompt=PROMPT[:1]) == {"stack": NEW - 1, "layer": 0}
+
+
+def filled_cache(model, batch: int, length: int, dtype) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(1)
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype) for _ in range(2))
+        cache.update(keys, values, layer)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_step_writes_the_modules_keys_values_and_logits(monkeypatch, dtype):
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    batch, length = 3, 9
+    ids = torch.tensor([[7], [100], [12]])
+    fast_cache, cache = filled_cache(model, batch, length, dtype), filled_cache(model, batch, length, dtype)
+    runs = counted(monkeypatch)
+    with torch.inference_mode():
+        fast = model(ids, past_key_values=fast_cache).logits
+    assert runs == {"stack": 1, "layer": 0}
+    modules_only(monkeypatch)
+    with torch.inference_mode():
+        expected = model(ids, past_key_values=cache).logits
+    assert torch.equal(fast, expected)
+    for fast_layer, layer in zip(fast_cache.layers, cache.layers, strict=True):
+        assert type(fast_layer) is DynamicLayer
+        assert torch.equal(fast_layer.keys, layer.keys)  # the rotated keys of the new position, appended
+        assert torch.equal(fast_layer.values, layer.values)
+    assert fast_cache.get_seq_length() == length + 1
+
+
+def test_the_running_release_grows_a_dynamic_cache_by_concatenation():
+    """What the stack relies on, checked here against the release's own layer: an update appends along the
+    positions and the layer's keys and values are the returned tensors."""
+    assert cache_grows_by_cat()
+    layer = DynamicLayer()
+    first, new = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 1, 5)
+    layer.update(first, first + 1)
+    keys, values = layer.update(new, new + 1)
+    assert torch.equal(keys, torch.cat([first, new], dim=-2)) and keys is layer.keys and values is layer.values
+
+
+def test_a_static_cache_or_a_patched_update_takes_the_per_layer_step(monkeypatch):
+    model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
+    layers = model.config.num_hidden_layers
+    runs = generates_the_modules_bits(model, monkeypatch, cache_implementation="static")
+    assert runs == {"stack": 0, "layer": (NEW - 1) * layers}
+    monkeypatch.undo()
+    seen, update = [], DynamicLayer.update
+    monkeypatch.setattr(DynamicLayer, "update", lambda self, *args, **kwargs: seen.append(1) or update(self, *args,
+                                                                                                           **kwargs))
+    runs = generates_the_modules_bits(model, monkeypatch)
+    assert runs == {"stack": 0, "layer": (NEW - 1) * layers}
+    assert len(seen) == 2 * NEW * layers  # both runs: the prefill and every decode step, every layer
+
+
+def test_hooks_and_output_capture_make_it_step_aside(monkeypatch):
+    """A hook on a decoder layer or on a submodule must see every step, and output capture must record every
+    layer: the stack declines while they are there (the per-layer step or the modules run), and runs again once
+    they are gone (transformers' capture hooks stay installed but record nothing)."""
+    model = tiny_model(attn_implementation="sdpa")
+    layers = model.config.num_hidden_layers
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda *args: seen.append(1))
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": 0, "layer": (NEW - 1) * layers}
+    assert len(seen) == 2 * NEW
+    handle.remove()
+    monkeypatch.undo()
+    handle = model.model.layers[0].memory_block.layer1.register_forward_pre_hook(lambda *args: seen.append(2))
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": 0, "layer": (NEW - 1) * (layers - 1)}
+    assert seen.count(2) == 2 * NEW
+    handle.remove()
+    monkeypatch.undo()
+
+    def captured():
+        with torch.inference_mode():
+            return model(PROMPT[:, -1:], past_key_values=filled_cache(model, 2, 3, torch.float32),
+                         output_hidden_states=True)
+
+    runs = counted(monkeypatch)
+    fast = captured()
+    assert runs["stack"] == 0
+    modules_only(monkeypatch)
+    slow = captured()
+    assert len(fast.hidden_states) == layers + 1
+    assert all(torch.equal(a, b) for a, b in zip(fast.hidden_states, slow.hidden_states))
+    monkeypatch.undo()
+    assert any(model.model.layers[0]._forward_hooks.values())  # transformers' capture hooks, inactive now
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
+
+
+def test_it_steps_aside_for_training_gradients_and_other_kernels(monkeypatch):
+    model = tiny_model(attn_implementation="sdpa")
+    model.model.layers[1].post_attention_dropout.train()  # one module in training mode: the modules decide
+    runs = generates_the_modules_bits(model, monkeypatch)
+    assert runs["stack"] == 0
+    monkeypatch.undo()
+    model.eval()
+    runs = counted(monkeypatch)
+    with torch.enable_grad():
+        model(PROMPT[:, -1:], past_key_values=filled_cache(model, 2, 3, torch.float32))
+    with memory_ops.use_kernel("torch"):
+        generate(model)
+    generate(tiny_model(attn_implementation="eager"))
+    assert runs == {"stack": 0, "layer": 0}
+
+
+def test_the_plan_follows_replaced_tables_layers_and_dtypes(monkeypatch):
+    """The stack's plan is derived once; replacing a table, a whole layer or the dtype afterwards must not leave it
+    reading the old tensors."""
+    model = tiny_model(attn_implementation="sdpa")
+    before = generate(model)[1]
+    assert model.model.__dict__.get("_decode_stack") is not None
+    layer1 = model.model.layers[1].memory_block.layer1
+    layer1.tables = nn.Parameter(-layer1.tables.detach())
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
+    monkeypatch.undo()
+    assert not torch.equal(generate(model)[1], before)
+    model.model.layers[0] = tiny_model(seed=5, attn_implementation="sdpa").model.layers[0]
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
+    monkeypatch.undo()
+    model.to(torch.bfloat16)
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}

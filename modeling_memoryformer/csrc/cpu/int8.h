@@ -61,10 +61,13 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
     const int64_t* rn = rows + n * K;
     const float* wn = weights + n * K;
     const float off = token_offset[n];
+    // As lookup_kernel: every row's first span asked for at once, then each row's next span while this one is
+    // summed (K lookups ahead): K rows of reads in flight instead of kAhead.
     const auto prefetch = [=](int64_t k, int64_t c0) {
       int64_t pw = 0;
-      if (const uint8_t* p = span_ahead(packed, W, rn, rnext, K, k, c0, cb, ce, pw)) prefetch_span(p, pw);
+      if (const uint8_t* p = span_ahead(packed, W, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
     };
+    for (int64_t k = 0; k < K; ++k) prefetch_span(packed + rn[k] * W + cb, std::min(kCols, ce - cb));
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
       float acc[kCols];

@@ -1,4 +1,5 @@
-"""A MemoryFormer decoder layer's decode step in two calls of the fused CPU kernel (csrc/cpu/decode_layer.h).
+"""A MemoryFormer decode step on the fused CPU kernel (csrc/cpu/decode_layer.h): each decoder layer in two calls, or
+every layer in one.
 
 A decode step feeds one position per sequence through every layer. Through the module tree that is about 25 small
 ops and 10 module calls per layer, each a few microseconds of Python and dispatch for a few hundred bytes of work,
@@ -6,19 +7,24 @@ while the bytes the architecture saves (K table rows per Memory Layer) take abou
 calls were most of the step. `decode_layer_step` runs the same layer as
 
     decode_qkv(x)               input norm -> Q/K/V Memory Layer -> rotary on the Q and K heads
-    cache.update(k, v)          any transformers Cache, as the attention module does
-    decode_attention_forward    the attention the module runs for "sdpa" (the fused decode attention)
+    cache.update(k, v)          any transformers Cache (or the paged cache of continuous batching), as the module does
+    attention                   for "sdpa" the fused decode attention, as the module runs it; over a paged cache, the
+                                paged attention function the module calls
     [attention.dense(attn)]     the attention output Memory Layer, where the config has one
     decode_block(x, attn)       + residual -> post-attention norm -> Memory Block -> + residual
 
-Each op inside the two calls is the one the modules run, in their order and dtype, so the output is bit-identical
-to the modules' (tests/model/test_decode_layer.py). Where anything could make the two differ, the step declines
-(returns None) and the caller runs the modules: gradients, training, more than one position, torch.compile,
-profiling or a dispatch mode, another attention implementation or a paged cache, hooks on a submodule (other than
-transformers' output capture on the attention, whose attention weights this path never has: the modules' "sdpa"
-path returns none either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT,
-quantisation wrappers), tables, norms or rotary tables of another dtype than the hidden states, or a kernel choice
-other than the fused one.
+and `decode_stack_step` runs every layer in one `decode_stack` call where the cache is a plain `DynamicCache` (the
+cat that grows it, and the decode attention, done in C++ too).
+
+Each op inside the calls is the one the modules run, in their order and dtype, so the output is bit-identical to the
+modules' (tests/model/test_decode_layer.py, test_decode_stack.py). Where anything could make the two differ, the
+step declines (returns None) and the caller runs the modules: gradients, training, more than one position (but a
+continuous-batching step, whose tokens are rows of one sequence dimension), torch.compile, profiling or a dispatch
+mode, another attention implementation outside continuous batching, hooks on a submodule (other than transformers'
+output capture on the attention, whose attention weights this path never has: the modules' "sdpa" path returns none
+either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT, quantisation
+wrappers), tables, norms or rotary tables of another dtype than the hidden states, or a kernel choice other than the
+fused one.
 """
 
 from __future__ import annotations
@@ -199,44 +205,49 @@ def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
 def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
                       kwargs: dict) -> torch.Tensor | None:
     """`MemoryFormerDecoderLayer.forward` for a decode step ([batch, 1, hidden] on the CPU, no gradient, the "sdpa"
-    attention, a non-paged cache) in two fused-kernel calls; None where it does not apply (see the module's
-    docstring): the caller runs the modules, which give the same values."""
-    if (hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or cache is None or layer.training
+    attention, a transformers Cache) or a continuous-batching step ([1, tokens, hidden] over a paged cache, any
+    attention function) in two fused-kernel calls; None where it does not apply (see the module's docstring): the
+    caller runs the modules, which give the same values."""
+    paged = is_paged_cache(cache)
+    if (hidden_states.dim() != 3 or hidden_states.shape[0 if paged else 1] != 1 or cache is None or layer.training
             or torch.is_grad_enabled() or hidden_states.device.type != "cpu" or dispatcher_watched()
-            or is_paged_cache(cache) or not uses_fused(hidden_states)):
+            or not uses_fused(hidden_states) or (paged and outputs_captured())):
         return None
     module = nn.modules.module
     attention = layer._modules.get("attention")
-    if type(attention).__name__ != "MemoryFormerAttention":  # replaced: it may have no config to read
+    if type(attention).__name__ != "MemoryFormerAttention" or attention.training:  # replaced: may have no config
         return None
-    implementation = attention.config._attn_implementation
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, None)
+    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
     if (module._global_forward_hooks or module._global_forward_pre_hooks or _attention_hooked(attention)
-            or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
-                ALL_ATTENTION_FUNCTIONS.get("sdpa"))):
-        return None
-    batch, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+            or interface is None or (interface is not sdpa and not paged)):
+        return None  # unpaged: "sdpa" only (another function may return attention weights that capture records)
+    tokens, hidden = hidden_states.shape[1 if paged else 0], hidden_states.shape[-1]
     dtype = hidden_states.dtype
     plan = layer.__dict__.get("_decode_plan")
-    if plan is None or not plan.holds(dtype, batch):
-        plan = layer.__dict__["_decode_plan"] = _plan(layer, dtype, batch)
+    if plan is None or not plan.holds(dtype, tokens):
+        plan = layer.__dict__["_decode_plan"] = _plan(layer, dtype, tokens)
     if not plan.ok:
         return None
     cos, sin = position_embeddings
-    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and cos.shape[1] == 1
-            and cos.shape[0] in (1, batch) and sin.shape == cos.shape):
+    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and sin.shape == cos.shape
+            and (cos.shape[:2] == (1, tokens) if paged else cos.shape[1] == 1 and cos.shape[0] in (1, tokens))):
         return None  # rotary tables of another form (passed in by a caller): the modules broadcast and promote them
+    if paged:  # one row of cos and sin per token, as the op takes them
+        cos, sin = cos.reshape(tokens, 1, -1), sin.reshape(tokens, 1, -1)
     ops = fused_ops()
-    x = hidden_states.reshape(batch, hidden)
+    x = hidden_states.reshape(tokens, hidden)
     qkv = ops.decode_qkv.default.redispatch(_CPU_KEYS, x, *plan.qkv, cos, sin, attention.num_heads)
-    query, key, value = qkv.view(batch, 1, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4).unbind()
-    key, value = update_kv_cache(cache, key, value, attention.layer_idx, ALL_ATTENTION_FUNCTIONS.get("sdpa"), kwargs)
-    attn, _ = decode_attention_forward(attention, query, key, value, attention_mask, dropout=0.0,
-                                       scaling=attention.scaling, **kwargs)
-    attn = attn.reshape(batch, 1, hidden).contiguous()
+    shape = (1, tokens) if paged else (tokens, 1)
+    query, key, value = qkv.view(*shape, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4).unbind()
+    key, value = update_kv_cache(cache, key, value, attention.layer_idx, interface, kwargs)
+    attn, _ = (decode_attention_forward if interface is sdpa else interface)(
+        attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)
+    attn = attn.reshape(*shape, hidden).contiguous()
     if attention.dense is not None:
         attn = attention.dense(attn)
-    out = ops.decode_block.default.redispatch(_CPU_KEYS, x, attn.view(batch, hidden), *plan.block)
-    return out.view(batch, 1, hidden)
+    out = ops.decode_block.default.redispatch(_CPU_KEYS, x, attn.view(tokens, hidden), *plan.block)
+    return out.view(*shape, hidden)
 
 
 _NORM_CODES, _SCORE_CODES = {"layernorm": 0, "rmsnorm": 1}, {"paper": 0, "l1": 1}  # decode_stack's codes

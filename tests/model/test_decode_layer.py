@@ -292,3 +292,40 @@ def test_rotary_tables_of_another_dtype_are_left_to_the_modules(monkeypatch):
     modules_only(monkeypatch)
     assert torch.equal(fast, step(filled_cache(model, 2, 3, torch.bfloat16)))
 
+
+
+@pytest.mark.parametrize("table_dtype", [None, "int8"])
+def test_continuous_batching_steps_give_the_modules_bits(monkeypatch, table_dtype):
+    """generate_batch (transformers' continuous batching: a paged cache, the tokens of every running request as one
+    sequence dimension, its paged attention function): each call the step runs is checked against the modules on the
+    same inputs (which write the same keys and values to the same cache slots again), bit for bit, and the requests'
+    tokens are the modules' too."""
+    from test_continuous_batching import PROMPTS as REQUESTS, generate_batch
+
+    model = tiny_model(attn_implementation="sdpa")
+    if table_dtype:
+        model.quantize_tables(table_dtype)
+    step, checked, nested = decode_layer.decode_layer_step, [], [False]
+
+    def checking(layer, hidden, mask, position_embeddings, cache, kwargs):
+        if nested[0]:
+            return None
+        out = step(layer, hidden, mask, position_embeddings, cache, dict(kwargs))
+        if out is not None:
+            nested[0] = True
+            expected = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                             past_key_values=cache, **kwargs)
+            nested[0] = False
+            checked.append((hidden.shape[1], torch.equal(out, expected)))
+        return out
+
+    monkeypatch.setattr(modeling, "decode_layer_step", checking)
+    fast = generate_batch(model)
+    assert checked and all(same for _, same in checked)
+    steps = {tokens for tokens, _ in checked}
+    requests = len(REQUESTS)  # a decode step has at most one token of each
+    assert min(steps) <= requests
+    if table_dtype is None:  # and steps with a prompt's tokens (int8 lookups of more than a few tokens take FBGEMM)
+        assert max(steps) > requests
+    modules_only(monkeypatch)
+    assert generate_batch(model) == fast

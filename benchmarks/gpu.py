@@ -17,7 +17,7 @@ CUDA events around each:
   unchanged; it is not timed here yet.)
 Targets it reports against: layer forward >= 2x `nn.Linear` in bf16 at d = 1024, 8192 tokens; MF-tiny
 training step >= 1.3x its twin; no table-sized gradient with the fused table update.
-Nothing here has been run on a GPU yet: no GPU is available where this project is built and tested.
+First run on a GPU (an H100, 2026-11-27): benchmarks/results/2026-11-27-h100-gpu-first-run.
 """
 
 from __future__ import annotations

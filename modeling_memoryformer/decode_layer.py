@@ -35,14 +35,14 @@ from operator import attrgetter, contains, is_, itemgetter
 import torch
 from torch import nn
 
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .memory_kernels import _CPU_KEYS, dispatcher_watched, fused_ops, uses_fused
 from .memory_layer import MemoryLayer
 from .memory_ops import _DECODE_ATTENTION_DTYPES, _NOT_FOR_DECODE_ATTENTION, decode_attention_forward
 from .quantization import int8_cpu_path
-from .transformers_compat import cache_grows_by_cat, is_paged_cache, outputs_captured, update_kv_cache
+from .transformers_compat import DynamicLayer, cache_grows_by_cat, is_paged_cache, outputs_captured, update_kv_cache
 
 _CAPTURE_HOOK = "output_capturing_hook"  # transformers' output capture (utils/output_capturing.py)
 _DTYPE, _FORWARD_HOOKS, _PRE_HOOKS = attrgetter("dtype"), itemgetter("_forward_hooks"), itemgetter("_forward_pre_hooks")
@@ -291,7 +291,8 @@ def _stack_plan(model: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
     return plan.freeze(True, tokens)
 
 
-_LAYER_UPDATE, _CACHE_UPDATE = DynamicLayer.update, DynamicCache.update  # as `cache_grows_by_cat` found them
+# As `cache_grows_by_cat` found them (a class patched later is left to the per-layer step).
+_LAYER_UPDATE, _CACHE_UPDATE = getattr(DynamicLayer, "update", None), DynamicCache.update
 _GROWN = attrgetter("keys", "values", "is_initialized")
 
 
@@ -311,7 +312,7 @@ def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_m
     module = nn.modules.module
     implementation = model.config._attn_implementation
     if (module._global_forward_hooks or module._global_forward_pre_hooks
-            or DynamicLayer.update is not _LAYER_UPDATE or DynamicCache.update is not _CACHE_UPDATE
+            or getattr(DynamicLayer, "update", None) is not _LAYER_UPDATE or DynamicCache.update is not _CACHE_UPDATE
             or not cache_grows_by_cat()
             or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
                 ALL_ATTENTION_FUNCTIONS.get("sdpa"))):

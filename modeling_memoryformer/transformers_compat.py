@@ -119,13 +119,17 @@ def update_kv_cache(cache, key, value, layer_idx: int, attention, kwargs: dict):
     return cache.update(key, value, layer_idx, kwargs=kwargs)
 
 
+try:  # the layer class of a DynamicCache (5.x); a release without it: the per-layer decode step
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover
+    DynamicLayer = None
+
+
 @functools.cache
 def cache_grows_by_cat() -> bool:
     """Whether the running release's `DynamicLayer.update` stores `torch.cat([keys, new], dim=-2)` (and the same for
     the values) as the layer's `keys` and `values`, returns them, and changes nothing else: tried once on a layer."""
     try:
-        from transformers.cache_utils import DynamicLayer
-
         layer = DynamicLayer()
         first, new = torch.arange(8.0).view(1, 1, 2, 4), torch.arange(8.0, 12.0).view(1, 1, 1, 4)
         layer.update(first, -first)

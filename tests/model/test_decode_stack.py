@@ -228,3 +228,10 @@ def test_the_plan_follows_replaced_tables_layers_and_dtypes(monkeypatch):
     monkeypatch.undo()
     model.to(torch.bfloat16)
     assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
+
+
+def test_beam_search_reorders_the_cache_the_stack_reads(monkeypatch):
+    """Beam search reorders the DynamicCache's layers between steps (new key and value tensors): the stack reads the
+    layers each step, so its beams and scores are the modules'."""
+    model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
+    assert generates_the_modules_bits(model, monkeypatch, num_beams=3) == {"stack": NEW - 1, "layer": 0}

@@ -199,6 +199,8 @@ def test_bfloat16_decode_steps_attend_closer_to_float64_than_sdpa(monkeypatch):
         return kernel(q, k, v, mask, scaling)
 
     monkeypatch.setattr(memory_ops, "decode_attention", recording)
+    # the per-layer decode step calls it through memory_ops (the decode stack calls the op from C++, unseen here)
+    monkeypatch.setattr(modeling, "decode_stack_step", lambda *args, **kwargs: None)
     model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
     prompt = torch.tensor([[5, 17, 99, 42, 8, 63, 120, 7, 1, 30, 12, 64]])
     model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -40,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .memory_kernels import _CPU_KEYS, dispatcher_watched, fused_ops, uses_fused
 from .memory_layer import MemoryLayer
-from .memory_ops import _DECODE_ATTENTION_DTYPES, _NOT_FOR_DECODE_ATTENTION, decode_attention_forward
+from .memory_ops import _DECODE_ATTENTION_DTYPES, _NOT_FOR_DECODE_ATTENTION, decode_attention_forward, decode_mask_fits
 from .quantization import int8_cpu_path
 from .transformers_compat import DynamicLayer, cache_grows_by_cat, is_paged_cache, outputs_captured, update_kv_cache
 
@@ -202,6 +202,17 @@ def _plan(layer: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
     return plan.freeze(operands is not None, tokens)
 
 
+def _rotary_rows(position_embeddings, dtype, tokens: int, paged: bool):
+    """(cos, sin) in the form the ops take them, [tokens or 1, 1, r], or None for rotary tables of another form
+    (another dtype, passed in by a caller: the modules broadcast and promote them). A continuous-batching step's
+    [1, tokens, r] become one row per token."""
+    cos, sin = position_embeddings
+    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and sin.shape == cos.shape
+            and (cos.shape[:2] == (1, tokens) if paged else cos.shape[1] == 1 and cos.shape[0] in (1, tokens))):
+        return None
+    return (cos.reshape(tokens, 1, -1), sin.reshape(tokens, 1, -1)) if paged else (cos, sin)
+
+
 def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
                       kwargs: dict) -> torch.Tensor | None:
     """`MemoryFormerDecoderLayer.forward` for a decode step ([batch, 1, hidden] on the CPU, no gradient, the "sdpa"
@@ -229,12 +240,10 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
         plan = layer.__dict__["_decode_plan"] = _plan(layer, dtype, tokens)
     if not plan.ok:
         return None
-    cos, sin = position_embeddings
-    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and sin.shape == cos.shape
-            and (cos.shape[:2] == (1, tokens) if paged else cos.shape[1] == 1 and cos.shape[0] in (1, tokens))):
-        return None  # rotary tables of another form (passed in by a caller): the modules broadcast and promote them
-    if paged:  # one row of cos and sin per token, as the op takes them
-        cos, sin = cos.reshape(tokens, 1, -1), sin.reshape(tokens, 1, -1)
+    rotary = _rotary_rows(position_embeddings, dtype, tokens, paged)
+    if rotary is None:
+        return None
+    cos, sin = rotary
     ops = fused_ops()
     x = hidden_states.reshape(tokens, hidden)
     qkv = ops.decode_qkv.default.redispatch(_CPU_KEYS, x, *plan.qkv, cos, sin, attention.num_heads)
@@ -336,18 +345,12 @@ def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_m
     if (keys[0].dtype != dtype or not keys[0].is_cpu or len(shape) != 4 or shape[0] != batch or shape[1] != heads
             or shape[3] != head_dim or shape[2] == 0 or not all(map(_IS_CPU, grown))):
         return None
-    cos, sin = position_embeddings
-    if not (cos.dtype is dtype and sin.dtype is dtype and cos.dim() == 3 and cos.shape[1] == 1
-            and cos.shape[0] in (1, batch) and sin.shape == cos.shape):
-        return None
-    mask = attention_mask
-    if mask is not None and (mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[3] != shape[2] + 1
-                             or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads)
-                             or mask.dtype not in (torch.bool, dtype) or mask.device.type != "cpu"):
+    rotary = _rotary_rows(position_embeddings, dtype, batch, paged=False)
+    if rotary is None or not decode_mask_fits(attention_mask, batch, heads, shape[2] + 1, dtype):
         return None
     out, keys, values = fused_ops().decode_stack.default.redispatch(
-        _CPU_KEYS, hidden_states.reshape(batch, hidden), keys, values, mask, cos, sin, heads, scaling, tensors, floats,
-        ints)
+        _CPU_KEYS, hidden_states.reshape(batch, hidden), keys, values, attention_mask, *rotary, heads, scaling, tensors,
+        floats, ints)
     for layer, key, value in zip(layers, keys, values):
         layer.keys, layer.values = key, value
     return out.view(batch, 1, hidden)

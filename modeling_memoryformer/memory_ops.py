@@ -318,13 +318,18 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             or not uses_fused(query)):
         return None
-    if attention_mask is not None:
-        batch, heads = query.shape[0], query.shape[1]
-        if (attention_mask.dim() != 4 or attention_mask.shape[2] != 1 or attention_mask.shape[3] != key.shape[-2]
-                or attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] not in (1, heads)
-                or attention_mask.dtype not in (torch.bool, query.dtype) or attention_mask.device.type != "cpu"):
-            return None
+    if not decode_mask_fits(attention_mask, query.shape[0], query.shape[1], key.shape[-2], query.dtype):
+        return None
     return fused_call(fused_ops().decode_attention, query, key, value, attention_mask, float(scaling))
+
+
+def decode_mask_fits(mask: torch.Tensor | None, batch: int, heads: int, positions: int, dtype: torch.dtype) -> bool:
+    """Whether the fused `decode_attention` takes `mask` for one query position of `batch` sequences and `heads` heads
+    over `positions` keys: none, or a CPU mask, bool or additive in `dtype`, broadcastable to [batch, heads, 1,
+    positions]."""
+    return mask is None or (mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] == positions
+                            and mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
+                            and mask.dtype in (torch.bool, dtype) and mask.device.type == "cpu")
 
 
 _NOT_FOR_DECODE_ATTENTION = ("softcap", "position_bias", "cache", "sliding_window", "s_aux")

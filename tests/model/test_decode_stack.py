@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import modeling_memoryformer.modeling_memoryformer as modeling
@@ -19,9 +18,7 @@ from modeling_memoryformer import decode_layer, memory_ops
 from modeling_memoryformer.transformers_compat import cache_grows_by_cat
 
 from conftest import require_kernel, tiny_model
-
-PROMPT = torch.tensor([[5, 17, 99, 42, 8, 63, 120], [0, 0, 3, 9, 27, 81, 44]])  # the second left-padded
-NEW = 6
+from test_decode_layer import CONFIGS, NEW, PROMPT, filled_cache, generate, modules_only  # the same forms and oracle
 
 
 @pytest.fixture(autouse=True)
@@ -47,18 +44,6 @@ def counted(monkeypatch) -> dict[str, int]:
     return runs
 
 
-def modules_only(monkeypatch) -> None:
-    for name in ("decode_layer_step", "decode_stack_step"):
-        monkeypatch.setattr(modeling, name, lambda *args, **kwargs: None)
-
-
-def generate(model, prompt=PROMPT, **kwargs):
-    with torch.inference_mode():
-        out = model.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences, torch.stack(out.scores)
-
-
 def generates_the_modules_bits(model, monkeypatch, prompt=PROMPT, **kwargs) -> dict[str, int]:
     """`generate` as it runs now, then with the modules only (the oracle): asserts the same tokens and scores, bit
     for bit, and returns the counts of the first run. Leaves the modules-only path in place."""
@@ -69,19 +54,6 @@ def generates_the_modules_bits(model, monkeypatch, prompt=PROMPT, **kwargs) -> d
     assert torch.equal(fast[0], slow[0])
     assert torch.equal(fast[1], slow[1])
     return dict(runs)
-
-
-CONFIGS = {
-    "default": {},
-    "rmsnorm": dict(norm_type="rmsnorm"),
-    "parallel_residual": dict(use_parallel_residual=True),
-    "gelu_block": dict(memory_block_activation="gelu"),
-    "attention_output_memory": dict(attention_output="memory"),
-    "no_bias": dict(memory_bias=False),
-    "l1_score_temperature": dict(hash_score="l1", hash_temperature=0.7),
-    "partial_rotary_half": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                 "partial_rotary_factor": 0.5}),
-}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
@@ -103,16 +75,6 @@ def test_int8_tables_and_one_unpadded_sequence_give_the_modules_bits(monkeypatch
     assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
     monkeypatch.undo()
     assert generates_the_modules_bits(model, monkeypatch, prompt=PROMPT[:1]) == {"stack": NEW - 1, "layer": 0}
-
-
-def filled_cache(model, batch: int, length: int, dtype) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
-    generator = torch.Generator().manual_seed(1)
-    for layer in range(model.config.num_hidden_layers):
-        keys, values = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype) for _ in range(2))
-        cache.update(keys, values, layer)
-    return cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -348,9 +348,13 @@ template <typename T> inline float dot_floats(const float* a, const T* b, int64_
   return dot;
 }
 
+// Every cache line the span [p, p + w) touches: a span that does not start on a line (an int8 row is D + 8 bytes, so
+// its spans start 8 bytes further into a line per row) reaches into one more line than its width in lines.
 template <typename T> inline void prefetch_span(const T* p, int64_t w) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < int64_t(w * sizeof(T)); b += 64) __builtin_prefetch(c + b);
+  if (w <= 0) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(p + w) - 1) & ~uintptr_t(63);
+  for (uintptr_t c = first; c <= last; c += 64) __builtin_prefetch(reinterpret_cast<const void*>(c));
 }
 
 // Non-temporal store of float spans (no read-for-ownership, no eviction of what sits in L2): the widest form the
@@ -753,6 +757,33 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
   return nullptr;
 }
 
+// One whole span of kCols output columns of a token: bias (or 0) + sum_k s[k] * row_k[c0, c0 + kCols), each product
+// and sum rounded in float32 as the scalar loop below rounds them (a multiply, then an add: no fused multiply-add),
+// held in kCols / kLanes vector registers, the rows' next spans prefetched as lookup_kernel says. Written as vector
+// code because the compiler's vectorisation of the scalar loop over a memory array of sums kept so few reads in flight
+// that cold rows cost 2-4x the time (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md).
+template <typename T>
+inline void sum_rows_span(const T* tables, int64_t D, const int64_t* rn, const int64_t* rnext, const float* sn,
+                          int64_t K, int64_t c0, int64_t cb, int64_t ce, const T* bias, T* out) {
+  constexpr int64_t V = kCols / kLanes;
+  fVec acc[V];
+  for (int64_t i = 0; i < V; ++i) acc[i] = bias ? load_floats(bias + i * kLanes) : fVec(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t pw = 0;
+    if (const T* p = span_ahead(tables, D, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
+    const T* t = tables + rn[k] * D + c0;
+    const fVec s(sn[k]);
+    for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_floats(t + i * kLanes);
+  }
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t i = 0; i < V; ++i) acc[i].store(out + i * kLanes);
+  } else {
+    float sums[kCols];
+    for (int64_t i = 0; i < V; ++i) acc[i].store(sums + i * kLanes);
+    for (int64_t j = 0; j < kCols; ++j) out[j] = static_cast<T>(sums[j]);
+  }
+}
+
 template <typename T>
 void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
                    T* out, int64_t N, int64_t K, int64_t D) {
@@ -766,6 +797,12 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     for (int64_t k = 0; k < K; ++k) prefetch_span(tables + rn[k] * D + cb, std::min(kCols, ce - cb));
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
+      if constexpr (std::is_same<A, float>::value) {
+        if (w == kCols) {   // a whole span: the sums in vector registers (see sum_rows_span)
+          sum_rows_span(tables, D, rn, rnext, sn, K, c0, cb, ce, bias ? bias + c0 : nullptr, out + n * D + c0);
+          continue;
+        }
+      }
       A acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
       for (int64_t k = 0; k < K; ++k) {
@@ -1624,6 +1661,19 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
   return a;
 }
 
+// kLanes codes widened to float32 in registers (a zero-extension and a conversion: exact).
+inline fVec load_codes(const uint8_t* q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+#else
+  float f[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) f[j] = float(int32_t(q[j]));
+  return fVec::loadu(f);
+#endif
+}
+
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
@@ -1649,6 +1699,19 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
     for (int64_t k = 0; k < K; ++k) prefetch_span(packed + rn[k] * W + cb, std::min(kCols, ce - cb));
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
+      if (w == kCols) {   // a whole span: the sums in vector registers, one row at a time (the same roundings)
+        constexpr int64_t V = kCols / kLanes;
+        fVec acc[V];
+        for (int64_t i = 0; i < V; ++i) acc[i] = fVec(off) + (bias ? fVec::loadu(bias + c0 + i * kLanes) : fVec(0.f));
+        for (int64_t k = 0; k < K; ++k) {
+          prefetch(k, c0);
+          const uint8_t* q = packed + rn[k] * W + c0;
+          const fVec s(wn[k]);
+          for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_codes(q + i * kLanes);
+        }
+        for (int64_t i = 0; i < V; ++i) acc[i].store(out + n * D + c0 + i * kLanes);
+        continue;
+      }
       float acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
       int64_t k = 0;

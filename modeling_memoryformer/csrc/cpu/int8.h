@@ -45,6 +45,19 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
   return a;
 }
 
+// kLanes codes widened to float32 in registers (a zero-extension and a conversion: exact).
+inline fVec load_codes(const uint8_t* q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+#else
+  float f[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) f[j] = float(int32_t(q[j]));
+  return fVec::loadu(f);
+#endif
+}
+
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
@@ -70,6 +83,19 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
     for (int64_t k = 0; k < K; ++k) prefetch_span(packed + rn[k] * W + cb, std::min(kCols, ce - cb));
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
+      if (w == kCols) {   // a whole span: the sums in vector registers, one row at a time (the same roundings)
+        constexpr int64_t V = kCols / kLanes;
+        fVec acc[V];
+        for (int64_t i = 0; i < V; ++i) acc[i] = fVec(off) + (bias ? fVec::loadu(bias + c0 + i * kLanes) : fVec(0.f));
+        for (int64_t k = 0; k < K; ++k) {
+          prefetch(k, c0);
+          const uint8_t* q = packed + rn[k] * W + c0;
+          const fVec s(wn[k]);
+          for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_codes(q + i * kLanes);
+        }
+        for (int64_t i = 0; i < V; ++i) acc[i].store(out + n * D + c0 + i * kLanes);
+        continue;
+      }
       float acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
       int64_t k = 0;

@@ -52,6 +52,33 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
   return nullptr;
 }
 
+// One whole span of kCols output columns of a token: bias (or 0) + sum_k s[k] * row_k[c0, c0 + kCols), each product
+// and sum rounded in float32 as the scalar loop below rounds them (a multiply, then an add: no fused multiply-add),
+// held in kCols / kLanes vector registers, the rows' next spans prefetched as lookup_kernel says. Written as vector
+// code because the compiler's vectorisation of the scalar loop over a memory array of sums kept so few reads in flight
+// that cold rows cost 2-4x the time (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md).
+template <typename T>
+inline void sum_rows_span(const T* tables, int64_t D, const int64_t* rn, const int64_t* rnext, const float* sn,
+                          int64_t K, int64_t c0, int64_t cb, int64_t ce, const T* bias, T* out) {
+  constexpr int64_t V = kCols / kLanes;
+  fVec acc[V];
+  for (int64_t i = 0; i < V; ++i) acc[i] = bias ? load_floats(bias + i * kLanes) : fVec(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t pw = 0;
+    if (const T* p = span_ahead(tables, D, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
+    const T* t = tables + rn[k] * D + c0;
+    const fVec s(sn[k]);
+    for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_floats(t + i * kLanes);
+  }
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t i = 0; i < V; ++i) acc[i].store(out + i * kLanes);
+  } else {
+    float sums[kCols];
+    for (int64_t i = 0; i < V; ++i) acc[i].store(sums + i * kLanes);
+    for (int64_t j = 0; j < kCols; ++j) out[j] = static_cast<T>(sums[j]);
+  }
+}
+
 template <typename T>
 void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, const T* tables, const T* bias,
                    T* out, int64_t N, int64_t K, int64_t D) {
@@ -65,6 +92,12 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     for (int64_t k = 0; k < K; ++k) prefetch_span(tables + rn[k] * D + cb, std::min(kCols, ce - cb));
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
+      if constexpr (std::is_same<A, float>::value) {
+        if (w == kCols) {   // a whole span: the sums in vector registers (see sum_rows_span)
+          sum_rows_span(tables, D, rn, rnext, sn, K, c0, cb, ce, bias ? bias + c0 : nullptr, out + n * D + c0);
+          continue;
+        }
+      }
       A acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = bias ? to_acc(bias[c0 + j]) : A(0);
       for (int64_t k = 0; k < K; ++k) {

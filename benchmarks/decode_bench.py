@@ -86,10 +86,12 @@ def model_config(kind: str, preset: str, storage: str):
 def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
     """The model on the meta device, materialised on the CPU in its storage dtype and initialised there (bf16: every
     tensor bfloat16 from the start; int8: float32 except MemoryFormer's int8 tables and head; the twin's linears are
-    then swapped for dynamic int8 ones, one at a time, so the float32 twin exists once)."""
+    then swapped for dynamic int8 ones, one at a time, so the float32 twin exists once), its large weights then
+    moved onto huge pages."""
     from transformers import GPTNeoXForCausalLM
 
     from modeling_memoryformer import MemoryFormerForCausalLM
+    from modeling_memoryformer.huge_pages import place_on_huge_pages
 
     config = model_config(kind, preset, storage)
     cls = MemoryFormerForCausalLM if kind == "mf" else GPTNeoXForCausalLM
@@ -113,6 +115,9 @@ def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
         use_decode_attention(model)
     if kind == "twin" and storage == "int8":
         model = dynamic_int8_in_place(model)
+    # Both models' large weights on huge pages, as from_pretrained leaves a MemoryFormer (huge_pages.py; the int8
+    # twin's packed linears are FBGEMM's own objects and stay where FBGEMM put them).
+    place_on_huge_pages(model)
     return model
 
 

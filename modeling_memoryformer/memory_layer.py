@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .configuration_memoryformer import canonical_storage_dtype
+from .huge_pages import place_int8_block
 from .memory_ops import (
     check_hash_parameters,
     hash_codes,
@@ -120,8 +121,9 @@ class MemoryLayer(nn.Module):
             )
 
     def _set_int8(self, packed: torch.Tensor) -> None:
-        """Hold int8 tables as the three views of one [R, d + 8] block (FBGEMM's row-wise layout)."""
-        codes, scale, offset = int8_views(packed)
+        """Hold int8 tables as the three views of one [R, d + 8] block (FBGEMM's row-wise layout), the block on huge
+        pages where that helps (huge_pages.py)."""
+        codes, scale, offset = int8_views(place_int8_block(packed))
         for name, value in (("tables_codes", codes), ("tables_scale", scale), ("tables_offset", offset)):
             if name in self._buffers:
                 self._buffers[name] = value

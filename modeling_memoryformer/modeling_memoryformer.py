@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
 from .decode_layer import decode_layer_step, decode_stack_step
+from .huge_pages import place_on_huge_pages
 from .memory_ops import decode_attention_forward, few_rows_linear, linear_cross_entropy
 from .memory_layer import MemoryLayer
 from .quantization import TableStorageMixin, Int8LMHead, bf16_linear
@@ -405,10 +406,12 @@ class MemoryFormerPreTrainedModel(TableStorageMixin, PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained` (a missing tensor is initialised and reported, as transformers does),
         refusing int8 values without their scales and a table / LM head storage other than config.json's
-        (`check_loaded_exactly`). `output_loading_info=True` still returns the loading report."""
+        (`check_loaded_exactly`). `output_loading_info=True` still returns the loading report. Large CPU weights
+        are then moved onto huge pages (huge_pages.py; MEMORYFORMER_HUGE_PAGES=0 leaves them)."""
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         check_loaded_exactly(model, info, pretrained_model_name_or_path)
+        place_on_huge_pages(model)
         return (model, info) if wants_info else model
 
     def _attention_function(self) -> Callable | None:

@@ -112,6 +112,62 @@ def test_token_kernel_splits_columns_over_threads_with_the_same_bits(n, num_tabl
         assert torch.equal(y, results[1]), f"{threads} threads changed the sums"
 
 
+def sequential_float32_sums(start, weights, values, fused):
+    """start [N, D] + sum_k weights[:, k] * values[:, k] in float32, one row at a time in table order. fused: each
+    step w * v + acc rounded once (a fused multiply-add: the exact product and sum in float64, which holds a product
+    of two float32 values exactly, then rounded to float32); else the product rounded before its add."""
+    acc = start.clone()
+    for k in range(weights.shape[1]):
+        w, v = weights[:, k : k + 1], values[:, k]
+        acc = (acc.double() + w.double() * v.double()).float() if fused else acc + w * v
+    return acc
+
+
+def one_of_the_roundings(y, start, weights, values, dtype=torch.float32) -> bool:
+    """y is the row-by-row float32 sum with fused multiply-adds (what the compiler emits for a target that has them)
+    or with a rounded product per add (a target without), bit for bit, rounded once to dtype."""
+    return any(torch.equal(y, sequential_float32_sums(start, weights, values, fused).to(dtype)) for fused in (True, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n, out_features", [(1, 1024), (3, 520), (2, 64)])
+def test_token_kernel_sums_rows_in_order_in_float32_in_whole_and_ragged_spans(n, out_features, dtype):
+    """The token-major pass sums whole spans of columns in vector registers and the ragged rest one value at a time.
+    Both must give float32 sums taken row by row in table order, rounded once to the tables' dtype, bit for bit; and
+    the same rounding: a column summed in the ragged span (the last 24 columns of a width 24 short of whole spans)
+    has the bits it has in a whole span."""
+    rows, scores, tables, bias = hashed_inputs(n, 24, 4, out_features, dtype, seed=3)
+    y = ops().lookup_strategy(rows, scores, tables, bias, 16, "token")
+    assert one_of_the_roundings(y, bias.float().expand(n, -1), scores.float(), tables[rows].float(), dtype)
+    ragged = ops().lookup_strategy(rows, scores, tables[:, :-24].contiguous(), bias[:-24], 16, "token")
+    assert torch.equal(ragged, y[:, :-24])
+
+
+@pytest.mark.parametrize("n, out_features", [(1, 1024), (2, 520)])
+def test_int8_token_pass_sums_rows_in_order_in_float32_in_whole_and_ragged_spans(n, out_features):
+    """int8 tables: the weights s_k scale_k rounded to float32, the per-token offset sum_k s_k offset_k, then
+    offset + bias + sum_k w_k q_k row by row, bit for bit; a ragged span's columns have a whole span's bits."""
+    g = torch.Generator().manual_seed(5)
+    K, per_table = 24, 16
+    rows = (torch.randint(0, per_table, (n, K), generator=g) + torch.arange(K) * per_table).contiguous()
+    scores = torch.rand(n, K, generator=g) + 0.1
+    tables = torch.randn(K * per_table, out_features, generator=g)
+    packed = torch.ops.quantized.embedding_bag_byte_prepack(tables)
+    bias = torch.randn(out_features, generator=g)
+    y = ops().int8_lookup(rows, scores, packed, bias, per_table)
+    codes = packed[:, :out_features].float()
+    scale = packed[:, out_features : out_features + 4].contiguous().view(torch.float32)[:, 0]
+    offset = packed[:, out_features + 4 :].contiguous().view(torch.float32)[:, 0]
+    assert any(   # each of the two sums as the compiler contracted it (fused multiply-adds or not)
+        torch.equal(y, sequential_float32_sums(
+            sequential_float32_sums(torch.zeros(n, 1), scores, offset[rows].unsqueeze(-1), fused_offset) + bias,
+            scores * scale[rows], codes[rows], fused))
+        for fused_offset in (True, False) for fused in (True, False)
+    )
+    narrow = torch.cat([packed[:, : out_features - 24], packed[:, out_features:]], dim=1)   # the same rows' codes
+    assert torch.equal(ops().int8_lookup(rows, scores, narrow, bias[:-24], per_table), y[:, :-24])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
     for (int64_t k = 0; k < K; ++k) prefetch_span(packed + rn[k] * W + cb, std::min(kCols, ce - cb));
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
-      if (w == kCols) {   // a whole span: the sums in vector registers, one row at a time (the same roundings)
+      if (w == kCols) {   // a whole span: the sums in vector registers, row by row (the ragged loop's bits)
         constexpr int64_t V = kCols / kLanes;
         fVec acc[V];
         for (int64_t i = 0; i < V; ++i) acc[i] = fVec(off) + (bias ? fVec::loadu(bias + c0 + i * kLanes) : fVec(0.f));

@@ -52,11 +52,13 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
   return nullptr;
 }
 
-// One whole span of kCols output columns of a token: bias (or 0) + sum_k s[k] * row_k[c0, c0 + kCols), each product
-// and sum rounded in float32 as the scalar loop below rounds them (a multiply, then an add: no fused multiply-add),
-// held in kCols / kLanes vector registers, the rows' next spans prefetched as lookup_kernel says. Written as vector
-// code because the compiler's vectorisation of the scalar loop over a memory array of sums kept so few reads in flight
-// that cold rows cost 2-4x the time (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md).
+// One whole span of kCols output columns of a token: bias (or 0) + sum_k s[k] * row_k[c0, c0 + kCols) in float32, row
+// by row in table order, the sums held in kCols / kLanes vector registers, the rows' next spans prefetched as
+// lookup_kernel says. The same expression as the scalar loop for a ragged span, which the compiler contracts the same
+// way (fused multiply-adds where the target has them): a column has the same bits in either
+// (tests/kernel/test_fused_paths.py). Written as vector code because the compiler's vectorisation of the scalar loop
+// over a memory array of sums ran 1.5x the instructions per row and, cold, about a third more time per call
+// (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md).
 template <typename T>
 inline void sum_rows_span(const T* tables, int64_t D, const int64_t* rn, const int64_t* rnext, const float* sn,
                           int64_t K, int64_t c0, int64_t cb, int64_t ce, const T* bias, T* out) {
@@ -93,7 +95,7 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
       if constexpr (std::is_same<A, float>::value) {
-        if (w == kCols) {   // a whole span: the sums in vector registers (see sum_rows_span)
+        if (w == kCols) {   // a whole span: the sums in vector registers (sum_rows_span)
           sum_rows_span(tables, D, rn, rnext, sn, K, c0, cb, ce, bias ? bias + c0 : nullptr, out + n * D + c0);
           continue;
         }

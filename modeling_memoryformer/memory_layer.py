@@ -123,7 +123,8 @@ class MemoryLayer(nn.Module):
     def _set_int8(self, packed: torch.Tensor) -> None:
         """Hold int8 tables as the three views of one [R, d + 8] block (FBGEMM's row-wise layout), the block on huge
         pages where that helps (huge_pages.py)."""
-        codes, scale, offset = int8_views(place_int8_block(packed))
+        packed = place_int8_block(packed)
+        codes, scale, offset = int8_views(packed)
         for name, value in (("tables_codes", codes), ("tables_scale", scale), ("tables_offset", offset)):
             if name in self._buffers:
                 self._buffers[name] = value

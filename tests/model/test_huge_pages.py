@@ -140,3 +140,13 @@ def test_from_pretrained_places_the_loaded_weights(monkeypatch, tmp_path):
     assert huge_pages.is_placed(loaded.lm_head.weight)
     assert huge_pages.is_placed(loaded.model.layers[0].attention.query_key_value.tables_codes)   # assembled, then placed
     assert torch.equal(logits(loaded), logits(original))
+
+
+def test_a_placed_model_saves_and_loads_its_bits(tmp_path):
+    model = tiny_model(tie_word_embeddings=True)
+    huge_pages.place_on_huge_pages(model, min_bytes=SMALL, force=True)
+    model.save_pretrained(tmp_path)
+    loaded = MemoryFormerForCausalLM.from_pretrained(tmp_path)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(logits(loaded), logits(model))

@@ -64,12 +64,13 @@ inline fVec load_codes(const uint8_t* q) {
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
-// and add w_k * float(q_k) over its K rows, kInt8Rows rows per pass, the rows kAhead lookups ahead prefetched, the
-// units split over the threads as for_token_units says. Plain loops that the compiler vectorises, converting the
-// codes in registers (GCC for AVX-512: a load, two zero-extensions through 16 bits, a conversion and a multiply-add
-// per 16 codes). This is about 1.3x the instructions of FBGEMM's JIT kernel per code, which is compute-bound too, so
-// quantization.py uses FBGEMM beyond a few tokens; at one token the rows' reads dominate and this pass, which issues
-// them at once with no per-call setup, is the faster one. The alternatives tried and dropped are in docs/kernel.md.
+// and add w_k * float(q_k) over its K rows, the rows' next spans prefetched K lookups ahead, the units split over the
+// threads as for_token_units says. A whole span's sums are vector registers, one row at a time, the codes widened in
+// registers (load_codes: a zero-extension and a conversion per vector); a ragged last span is a plain loop over
+// kInt8Rows rows per pass that the compiler vectorises, with the same bits. FBGEMM's JIT kernel takes fewer
+// instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
+// dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
+// and dropped are in docs/kernel.md.
 void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
                        const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
   const int64_t W = D + kInt8RowBytes;

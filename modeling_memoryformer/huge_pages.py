@@ -67,7 +67,10 @@ def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"huge_page_copy: the tensor must be on the CPU, got {tensor.device} (move it first)")
     nbytes = tensor.numel() * tensor.element_size()
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:   # refused (a sandbox's filter, a kernel without THP): still a valid copy, on 4 KB pages
+        pass
     with torch.inference_mode(False), torch.no_grad():
         base = torch.frombuffer(mapping, dtype=torch.uint8)
         offset = (-base.data_ptr()) % HUGE_PAGE   # the tensor starts on a huge page; the slack is never touched

@@ -323,10 +323,21 @@ template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
   else at::parallel_for(0, N, 1, body);
 }
 
-// kLanes values of a float32, bfloat16 or float16 span as one float32 vector (bfloat16: a shift per value).
+// kLanes values of a float32, bfloat16 or float16 span, or kLanes int8 table codes (uint8), as one float32 vector
+// (bfloat16: a shift per value; codes: a zero-extension and a conversion, exact).
 template <typename T> inline fVec load_floats(const T* p) {
   if constexpr (std::is_same<T, float>::value) {
     return fVec::loadu(p);
+  } else if constexpr (std::is_same<T, uint8_t>::value) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+    return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+    float f[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) f[j] = float(int32_t(p[j]));
+    return fVec::loadu(f);
+#endif
   } else {
     fVec v;
     at::vec::load_to_float<T>(p, v);
@@ -764,19 +775,28 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
 // (tests/kernel/test_fused_paths.py). Written as vector code because the compiler's vectorisation of the scalar loop
 // over a memory array of sums ran 1.5x the instructions per row and, cold, about a third more time per call
 // (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md).
+// The row loop of a whole span, shared with the int8 pass (T = uint8_t codes, stride D + 8, s the weights
+// s_k scale_k): acc[i] += s[k] * row_k[c0 + i * kLanes, ...) for k in table order, each row's next span prefetched
+// K lookups ahead (span_ahead). stride: values per table row.
+template <typename T>
+inline void add_rows_span(fVec* acc, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
+                          const float* s, int64_t K, int64_t c0, int64_t cb, int64_t ce) {
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t pw = 0;
+    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
+    const T* t = tables + rn[k] * stride + c0;
+    const fVec sk(s[k]);
+    for (int64_t i = 0; i < kCols / kLanes; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
+  }
+}
+
 template <typename T>
 inline void sum_rows_span(const T* tables, int64_t D, const int64_t* rn, const int64_t* rnext, const float* sn,
                           int64_t K, int64_t c0, int64_t cb, int64_t ce, const T* bias, T* out) {
   constexpr int64_t V = kCols / kLanes;
   fVec acc[V];
   for (int64_t i = 0; i < V; ++i) acc[i] = bias ? load_floats(bias + i * kLanes) : fVec(0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    int64_t pw = 0;
-    if (const T* p = span_ahead(tables, D, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
-    const T* t = tables + rn[k] * D + c0;
-    const fVec s(sn[k]);
-    for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_floats(t + i * kLanes);
-  }
+  add_rows_span(acc, tables, D, rn, rnext, sn, K, c0, cb, ce);
   if constexpr (std::is_same<T, float>::value) {
     for (int64_t i = 0; i < V; ++i) acc[i].store(out + i * kLanes);
   } else {
@@ -1666,25 +1686,12 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
   return a;
 }
 
-// kLanes codes widened to float32 in registers (a zero-extension and a conversion: exact).
-inline fVec load_codes(const uint8_t* q) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
-#else
-  float f[kLanes];
-  for (int64_t j = 0; j < kLanes; ++j) f[j] = float(int32_t(q[j]));
-  return fVec::loadu(f);
-#endif
-}
-
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
 // and add w_k * float(q_k) over its K rows, the rows' next spans prefetched K lookups ahead, the units split over the
 // threads as for_token_units says. A whole span's sums are vector registers, one row at a time, the codes widened in
-// registers (load_codes: a zero-extension and a conversion per vector); a ragged last span is a plain loop over
+// registers (load_floats: a zero-extension and a conversion per vector); a ragged last span is a plain loop over
 // kInt8Rows rows per pass that the compiler vectorises, with the same bits. FBGEMM's JIT kernel takes fewer
 // instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
 // dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
@@ -1709,12 +1716,7 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
         constexpr int64_t V = kCols / kLanes;
         fVec acc[V];
         for (int64_t i = 0; i < V; ++i) acc[i] = fVec(off) + (bias ? fVec::loadu(bias + c0 + i * kLanes) : fVec(0.f));
-        for (int64_t k = 0; k < K; ++k) {
-          prefetch(k, c0);
-          const uint8_t* q = packed + rn[k] * W + c0;
-          const fVec s(wn[k]);
-          for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_codes(q + i * kLanes);
-        }
+        add_rows_span(acc, packed, W, rn, rnext, wn, K, c0, cb, ce);
         for (int64_t i = 0; i < V; ++i) acc[i].store(out + n * D + c0 + i * kLanes);
         continue;
       }

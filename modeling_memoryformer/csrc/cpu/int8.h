@@ -48,25 +48,12 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
   return a;
 }
 
-// kLanes codes widened to float32 in registers (a zero-extension and a conversion: exact).
-inline fVec load_codes(const uint8_t* q) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
-#else
-  float f[kLanes];
-  for (int64_t j = 0; j < kLanes; ++j) f[j] = float(int32_t(q[j]));
-  return fVec::loadu(f);
-#endif
-}
-
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
 // Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
 // and add w_k * float(q_k) over its K rows, the rows' next spans prefetched K lookups ahead, the units split over the
 // threads as for_token_units says. A whole span's sums are vector registers, one row at a time, the codes widened in
-// registers (load_codes: a zero-extension and a conversion per vector); a ragged last span is a plain loop over
+// registers (load_floats: a zero-extension and a conversion per vector); a ragged last span is a plain loop over
 // kInt8Rows rows per pass that the compiler vectorises, with the same bits. FBGEMM's JIT kernel takes fewer
 // instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
 // dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
@@ -91,12 +78,7 @@ void int8_lookup_token(const int64_t* rows, const float* weights, const float* t
         constexpr int64_t V = kCols / kLanes;
         fVec acc[V];
         for (int64_t i = 0; i < V; ++i) acc[i] = fVec(off) + (bias ? fVec::loadu(bias + c0 + i * kLanes) : fVec(0.f));
-        for (int64_t k = 0; k < K; ++k) {
-          prefetch(k, c0);
-          const uint8_t* q = packed + rn[k] * W + c0;
-          const fVec s(wn[k]);
-          for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_codes(q + i * kLanes);
-        }
+        add_rows_span(acc, packed, W, rn, rnext, wn, K, c0, cb, ce);
         for (int64_t i = 0; i < V; ++i) acc[i].store(out + n * D + c0 + i * kLanes);
         continue;
       }

@@ -59,19 +59,28 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
 // (tests/kernel/test_fused_paths.py). Written as vector code because the compiler's vectorisation of the scalar loop
 // over a memory array of sums ran 1.5x the instructions per row and, cold, about a third more time per call
 // (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md).
+// The row loop of a whole span, shared with the int8 pass (T = uint8_t codes, stride D + 8, s the weights
+// s_k scale_k): acc[i] += s[k] * row_k[c0 + i * kLanes, ...) for k in table order, each row's next span prefetched
+// K lookups ahead (span_ahead). stride: values per table row.
+template <typename T>
+inline void add_rows_span(fVec* acc, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
+                          const float* s, int64_t K, int64_t c0, int64_t cb, int64_t ce) {
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t pw = 0;
+    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
+    const T* t = tables + rn[k] * stride + c0;
+    const fVec sk(s[k]);
+    for (int64_t i = 0; i < kCols / kLanes; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
+  }
+}
+
 template <typename T>
 inline void sum_rows_span(const T* tables, int64_t D, const int64_t* rn, const int64_t* rnext, const float* sn,
                           int64_t K, int64_t c0, int64_t cb, int64_t ce, const T* bias, T* out) {
   constexpr int64_t V = kCols / kLanes;
   fVec acc[V];
   for (int64_t i = 0; i < V; ++i) acc[i] = bias ? load_floats(bias + i * kLanes) : fVec(0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    int64_t pw = 0;
-    if (const T* p = span_ahead(tables, D, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
-    const T* t = tables + rn[k] * D + c0;
-    const fVec s(sn[k]);
-    for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + s * load_floats(t + i * kLanes);
-  }
+  add_rows_span(acc, tables, D, rn, rnext, sn, K, c0, cb, ce);
   if constexpr (std::is_same<T, float>::value) {
     for (int64_t i = 0; i < V; ++i) acc[i].store(out + i * kLanes);
   } else {

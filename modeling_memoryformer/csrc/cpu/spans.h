@@ -10,10 +10,21 @@ template <typename F> void parallel_tokens(int64_t N, int64_t work, F body) {
   else at::parallel_for(0, N, 1, body);
 }
 
-// kLanes values of a float32, bfloat16 or float16 span as one float32 vector (bfloat16: a shift per value).
+// kLanes values of a float32, bfloat16 or float16 span, or kLanes int8 table codes (uint8), as one float32 vector
+// (bfloat16: a shift per value; codes: a zero-extension and a conversion, exact).
 template <typename T> inline fVec load_floats(const T* p) {
   if constexpr (std::is_same<T, float>::value) {
     return fVec::loadu(p);
+  } else if constexpr (std::is_same<T, uint8_t>::value) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+    return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+    float f[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) f[j] = float(int32_t(p[j]));
+    return fVec::loadu(f);
+#endif
   } else {
     fVec v;
     at::vec::load_to_float<T>(p, v);

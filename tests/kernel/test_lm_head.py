@@ -8,6 +8,8 @@ logits and generated tokens are the same either way.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,16 @@ def ran_fused(fn) -> tuple[torch.Tensor, bool]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = fn()
     return out, any(e.key == "memoryformer::linear_rows" for e in prof.key_averages())
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def oracle(x, w, b):
@@ -48,6 +60,26 @@ def test_few_rows_take_the_fused_pass_and_equal_the_product(shape, with_bias):
     assert fused
     assert y.shape == (*shape[:-1], 1003) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), oracle(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_block_shape_and_tail_equals_the_product(rows, dtype):
+    """The pass takes 8, 4 or 2 weight rows at a time (1, 2, 3-4 rows of x), then the rows left one at a time, each
+    thread its own range (2050 rows split over threads at an odd row), and a width of 203 leaves a tail below one
+    vector on every target: every block shape, remainder and tail against the float64 product of the same values."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 203, generator=g).to(dtype)
+    w = torch.randn(2050, 203, generator=g).to(dtype)
+    b = torch.randn(2050, generator=g).to(dtype)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            y, fused = ran_fused(lambda: memory_ops.few_rows_linear(x, w, b))
+        assert fused and y.dtype == dtype
+        expected = oracle(x, w, b)
+        scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+        rounding = 2**-8 if dtype == torch.bfloat16 else 0.0  # bfloat16 output: rounded once
+        assert ((y.double() - expected).abs() <= rounding * expected.abs() + 1e-6 * scale).all()
 
 
 @pytest.mark.parametrize("rows", [1, 3])

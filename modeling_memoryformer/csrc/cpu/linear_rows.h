@@ -4,42 +4,66 @@
 
 // ------------------------------------------------------------------------------------------------ few-row linear
 // y = x W^T (+ b) for a few rows of x (decoding: the LM head of one token reads a [vocab, d] weight for one row of
-// output). Each weight row is read once for all rows of x, and the output columns are split over the threads in
-// contiguous ranges, so the pass streams W once. The dot products of a weight row run as at least 4 independent FMA
-// chains (4 per row of x for one row, 2 for two, one each from four): with fewer a core streams W at about half the
-// speed of a plain sum over W, as the BLAS GEMV that nn.Linear calls for one row did (docs/kernel.md).
+// output). The output columns are split over the threads in contiguous ranges, so the pass streams W once; each
+// thread takes R weight rows at a time and keeps one sum per (row of x, weight row) in a vector register: M x R
+// independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector loaded once for R weight rows. The sums are
+// kept in registers: GCC kept the earlier kernel's array of sums on the stack (a store and a reload per
+// FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, below what
+// two cores stream (docs/kernel.md).
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
+
+// Sums of one block: R weight rows [w, w + R * D) against M rows of x, each reduced to a float after its vector
+// chain (then the D % kLanes tail, then the bias). T: float32, or bfloat16 widened in registers.
+template <int64_t M, int64_t R, typename T>
+inline void linear_rows_block(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V,
+                              int64_t v, const T* w_end) {
+  constexpr int64_t L = kLanes;
+  constexpr int64_t B = R * L * int64_t(sizeof(T));   // bytes of weight one step of j reads
+  const int64_t Dv = D - D % L;
+  // The block after next, prefetched B bytes per step: the R rows are R streams D values apart, which the hardware
+  // prefetcher follows worse than one (on the Zen 3 measured, the pass streamed 30% slower without this).
+  const char* next = reinterpret_cast<const char*>(w + 2 * R * D);
+  const char* next_end = reinterpret_cast<const char*>(std::min(w + 3 * R * D, w_end));
+  const auto add = [](fVec& p, fVec& q) { return p + q; };
+  // The chains: loops over constants, unrolled by pragma so that GCC keeps the array in registers (left to its own
+  // unroller, it unrolled them too late and kept the array on the stack).
+  fVec acc[M * R];
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M * R; ++i) acc[i] = fVec(0.f);
+  for (int64_t j = 0; j < Dv; j += L, next += B) {
+    if (next < next_end)
+      for (int64_t c = 0; c < B; c += 64) __builtin_prefetch(next + c);
+    fVec xv[M];
+#pragma GCC unroll 4
+    for (int64_t m = 0; m < M; ++m) xv[m] = fVec::loadu(x + m * D + j);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const fVec u = load_floats(w + r * D + j);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < M; ++m) acc[m * R + r] = at::vec::fmadd(xv[m], u, acc[m * R + r]);
+    }
+  }
+  // The reduction's loops have a runtime tail inside and do not unroll: they read a copy.
+  fVec sums[M * R];
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M * R; ++i) sums[i] = acc[i];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < R; ++r) {
+      float sum = at::vec::vec_reduce_all<float>(add, sums[m * R + r]);
+      for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(w[r * D + j]);
+      y[m * V + v + r] = b ? sum + b[v + r] : sum;
+    }
+}
 
 // T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x, b and y float32.
 template <int64_t M, typename T>
 void linear_rows_kernel(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V) {
-  constexpr int64_t L = kLanes;
-  constexpr int64_t C = M == 1 ? 4 : 2;   // chains per row of x: 4, 4, 6 and 8 in all for M = 1 .. 4
-  const int64_t Dc = D - D % (C * L), Dv = D - D % L;
-  const auto add = [](fVec& p, fVec& q) { return p + q; };
+  constexpr int64_t R = M == 1 ? 8 : M == 2 ? 4 : 2;   // weight rows per block: M x R chains
   at::parallel_for(0, V, 1024, [=](int64_t v0, int64_t v1) {
-    for (int64_t v = v0; v < v1; ++v) {
-      const T* wv = w + v * D;
-      fVec a[M][C];
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t c = 0; c < C; ++c) a[m][c] = fVec(0.f);
-      for (int64_t j = 0; j < Dc; j += C * L) {
-        for (int64_t c = 0; c < C; ++c) {
-          const fVec u = load_floats(wv + j + c * L);
-          for (int64_t m = 0; m < M; ++m) a[m][c] = at::vec::fmadd(fVec::loadu(x + m * D + j + c * L), u, a[m][c]);
-        }
-      }
-      for (int64_t j = Dc; j < Dv; j += L) {
-        const fVec u = load_floats(wv + j);
-        for (int64_t m = 0; m < M; ++m) a[m][0] = at::vec::fmadd(fVec::loadu(x + m * D + j), u, a[m][0]);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t c = 1; c < C; ++c) a[m][0] = a[m][0] + a[m][c];
-        float sum = at::vec::vec_reduce_all<float>(add, a[m][0]);
-        for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(wv[j]);
-        y[m * V + v] = b ? sum + b[v] : sum;
-      }
-    }
+    int64_t v = v0;
+    const T* end = w + v1 * D;
+    for (; v + R <= v1; v += R) linear_rows_block<M, R>(x, w + v * D, b, y, D, V, v, end);
+    for (; v < v1; ++v) linear_rows_block<M, 1>(x, w + v * D, b, y, D, V, v, end);
   });
 }
 

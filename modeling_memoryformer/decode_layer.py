@@ -300,6 +300,11 @@ def _stack_plan(model: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
     return plan.freeze(True, tokens)
 
 
+# The mark (in a tensor's __dict__) of the one view of a KV buffer with room that `decode_stack` may grow in place:
+# the view it returned last for that buffer. A copy of the layer list, a crop, a reorder or a second cache holding the
+# same tensor gets no mark (or loses it when the buffer grows), so that two holders never write the same position.
+_ROOM = "_memoryformer_kv_room"
+
 # As `cache_grows_by_cat` found them (a class patched later is left to the per-layer step).
 _LAYER_UPDATE, _CACHE_UPDATE = getattr(DynamicLayer, "update", None), DynamicCache.update
 _GROWN = attrgetter("keys", "values", "is_initialized")
@@ -338,19 +343,23 @@ def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_m
     if len(layers) != count or any(type(layer) is not DynamicLayer for layer in layers):
         return None
     keys, values, initialized = zip(*map(_GROWN, layers))
-    grown = keys + values
-    if not all(initialized) or len(set(map(_SHAPE, grown))) != 1 or len(set(map(_DTYPE, grown))) != 1:
+    every = keys + values
+    if not all(initialized) or len(set(map(_SHAPE, every))) != 1 or len(set(map(_DTYPE, every))) != 1:
         return None
     shape = keys[0].shape
     if (keys[0].dtype != dtype or not keys[0].is_cpu or len(shape) != 4 or shape[0] != batch or shape[1] != heads
-            or shape[3] != head_dim or shape[2] == 0 or not all(map(_IS_CPU, grown))):
+            or shape[3] != head_dim or shape[2] == 0 or not all(map(_IS_CPU, every))):
         return None
     rotary = _rotary_rows(position_embeddings, dtype, batch, paged=False)
     if rotary is None or not decode_mask_fits(attention_mask, batch, heads, shape[2] + 1, dtype):
         return None
-    out, keys, values = fused_ops().decode_stack.default.redispatch(
+    owned = [int(_ROOM in vars(key) and _ROOM in vars(value)) for key, value in zip(keys, values)]
+    out, grown_keys, grown_values = fused_ops().decode_stack.default.redispatch(
         _CPU_KEYS, hidden_states.reshape(batch, hidden), keys, values, attention_mask, *rotary, heads, scaling, tensors,
-        floats, ints)
-    for layer, key, value in zip(layers, keys, values):
+        floats, ints, owned)
+    for layer, old_key, old_value, key, value in zip(layers, keys, values, grown_keys, grown_values):
+        vars(old_key).pop(_ROOM, None)  # the grown views are now their buffers' only ones that may grow in place
+        vars(old_value).pop(_ROOM, None)
+        vars(key)[_ROOM] = vars(value)[_ROOM] = True
         layer.keys, layer.values = key, value
     return out.view(batch, 1, hidden)

@@ -58,7 +58,7 @@ OP_SCHEMAS = {
                     "int hash_bits2, str score, float temperature) -> Tensor",
     # Every decoder layer of a decode step, for a cache grown by concatenation (DynamicCache).
     "decode_stack": "(Tensor x, Tensor[] keys, Tensor[] values, Tensor? mask, Tensor cos, Tensor sin, int num_heads, "
-                    "float scaling, Tensor?[] tensors, float[] floats, int[] ints) -> (Tensor, Tensor[], Tensor[])",
+                    "float scaling, Tensor?[] tensors, float[] floats, int[] ints, int[] owned=[]) -> (Tensor, Tensor[], Tensor[])",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",
     "machine_info": "() -> int[]",

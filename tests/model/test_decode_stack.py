@@ -197,3 +197,82 @@ def test_beam_search_reorders_the_cache_the_stack_reads(monkeypatch):
     layers each step, so its beams and scores are the modules'."""
     model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
     assert generates_the_modules_bits(model, monkeypatch, num_beams=3) == {"stack": NEW - 1, "layer": 0}
+
+
+def run_steps(model, cache, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """One forward per column of `tokens` ([batch, steps]) on `cache`: the logits of each step and, per step, the
+    first layer's (keys data_ptr, buffer room) after it."""
+    logits, buffers = [], []
+    with torch.inference_mode():
+        for step in range(tokens.shape[1]):
+            logits.append(model(tokens[:, step:step + 1], past_key_values=cache).logits)
+            keys = cache.layers[0].keys
+            buffers.append((keys.data_ptr(), keys.stride(1) // keys.shape[-1]))
+    return logits, buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cache_grows_in_place_with_the_values_of_the_concatenation(monkeypatch, dtype):
+    """The stack writes each new position into room left past the cached ones (a buffer reallocated every 64 or more
+    steps instead of a copy per step): over 150 steps, crossing two reallocations, every step's logits and the final
+    keys and values are the bits the modules' torch.cat gives, and a view of an earlier step keeps its values."""
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    steps, length = 150, 9
+    tokens = torch.randint(1, model.config.vocab_size, (2, steps), generator=torch.Generator().manual_seed(3))
+    fast_cache, cache = filled_cache(model, 2, length, dtype), filled_cache(model, 2, length, dtype)
+    held, held_values = None, None
+
+    def hold(*args, **kwargs):  # the first layer's keys after step 20, as a user's reference to them
+        nonlocal held, held_values
+        out = decode_layer.decode_stack_step(*args, **kwargs)
+        if held is None and fast_cache.get_seq_length() == length + 20:
+            held, held_values = fast_cache.layers[0].keys, fast_cache.layers[0].keys.clone()
+        return out
+
+    monkeypatch.setattr(modeling, "decode_stack_step", hold)
+    fast, buffers = run_steps(model, fast_cache, tokens)
+    assert held is not None and torch.equal(held, held_values)  # 130 later positions written past its end
+    moves = sum(a[0] != b[0] for a, b in zip(buffers, buffers[1:]))
+    assert moves == 2 and all(room > length for _, room in buffers)  # copied at step 1, then in place but twice
+    modules_only(monkeypatch)
+    expected, _ = run_steps(model, cache, tokens)
+    assert all(torch.equal(a, b) for a, b in zip(fast, expected, strict=True))
+    for fast_layer, layer in zip(fast_cache.layers, cache.layers, strict=True):
+        assert torch.equal(fast_layer.keys, layer.keys) and torch.equal(fast_layer.values, layer.values)
+
+
+def crop(cache, length: int) -> None:
+    """What `DynamicLayer.crop` does (its argument's sign convention differs between releases): views of the first
+    `length` positions."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def test_two_caches_holding_the_same_tensors_never_write_each_others_positions(monkeypatch):
+    """A second cache holding the very tensors of the first (a shallow copy of its layers), then each stepped with its
+    own token: the first to grow its buffer takes the room, the other copies; both end with the bits the modules give
+    from that shared state. So does a cache cropped back to an earlier length and grown again."""
+    import copy
+
+    model = tiny_model(attn_implementation="sdpa").to(torch.bfloat16)
+    first = filled_cache(model, 1, 5, torch.bfloat16)
+    prefix = torch.tensor([[3, 4, 5]])
+    run_steps(model, first, prefix)  # the stack's buffers, with room
+    snapshot = copy.deepcopy(first)  # independent buffers: the oracle's start
+    second = copy.copy(first)
+    second.layers = [copy.copy(layer) for layer in first.layers]
+    assert second.layers[0].keys is first.layers[0].keys
+    cropped = copy.copy(first)
+    cropped.layers = [copy.copy(layer) for layer in first.layers]
+    crop(cropped, 6)
+    a, b, c = torch.tensor([[11]]), torch.tensor([[12]]), torch.tensor([[13]])
+    fast = [run_steps(model, cache, token)[0][0] for cache, token in ((first, a), (second, b), (cropped, c))]
+    modules_only(monkeypatch)
+    starts = [copy.deepcopy(snapshot) for _ in range(3)]
+    crop(starts[2], 6)
+    expected = [run_steps(model, cache, token)[0][0] for cache, token in zip(starts, (a, b, c))]
+    for got, want in zip(fast, expected, strict=True):
+        assert torch.equal(got, want)
+    for fast_cache, cache in zip((first, second, cropped), starts, strict=True):
+        for fast_layer, layer in zip(fast_cache.layers, cache.layers, strict=True):
+            assert torch.equal(fast_layer.keys, layer.keys) and torch.equal(fast_layer.values, layer.values)

@@ -113,26 +113,72 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
   return h + decode_memory_layer(y, tables2, bias2, tau2, score, temperature);
 }
 
+// A layer's keys or values [N, H, T, D] grown by one position `part` ([N, H, 1, D], any strides), with the values
+// torch.cat([cache, part], dim=-2) has. The result is a view [N, H, T + 1, D] of a buffer with room for more
+// positions (head stride C * D, C > T): where `owned` (the caller's word that `cache` is the view this op returned
+// last for its buffer, and that nothing has grown that buffer since) and the buffer has room, the new position is
+// written in place into the room past T, which no view of length T sees; else a new buffer of C = T + 1 +
+// max(64, (T + 1) / 4) positions gets the cache's values and the new position (a copy every 64 or more steps instead
+// of the whole cache on every step, as torch.cat costs).
+at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owned) {
+  const int64_t N = cache.size(0), H = cache.size(1), T = cache.size(2), D = cache.size(3);
+  const int64_t esize = static_cast<int64_t>(cache.element_size());
+  TORCH_CHECK(part.dim() == 4 && part.size(0) == N && part.size(1) == H && part.size(2) == 1 && part.size(3) == D &&
+              part.scalar_type() == cache.scalar_type(), "memoryformer.decode_stack: a new key or value must be [",
+              N, ", ", H, ", 1, ", D, "] in the cache's dtype, got ", part.sizes());
+  const int64_t room = D > 0 ? cache.stride(1) / D : 0;   // positions per head the buffer holds
+  const bool in_place = owned && D > 0 && cache.stride(3) == 1 && cache.stride(2) == D && cache.stride(1) == room * D &&
+                        cache.stride(0) == H * room * D && room > T && cache.storage_offset() == 0 &&
+                        static_cast<int64_t>(cache.storage().nbytes()) >= N * H * room * D * esize;
+  at::Tensor buffer;
+  int64_t C = room;
+  if (in_place) {
+    buffer = cache;
+  } else {
+    C = T + 1 + std::max<int64_t>(64, (T + 1) / 4);
+    buffer = at::empty({N, H, C, D}, cache.options().memory_format(at::MemoryFormat::Contiguous));
+    buffer.narrow(2, 0, T).copy_(cache);
+  }
+  char* base = static_cast<char*>(buffer.data_ptr());
+  const char* src = static_cast<const char*>(part.data_ptr());
+  const bool dense_rows = part.stride(3) == 1;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      char* dst = base + ((n * H + h) * C + T) * D * esize;
+      const char* from = src + (n * part.stride(0) + h * part.stride(1)) * esize;
+      if (dense_rows) {
+        std::memcpy(dst, from, D * esize);
+      } else {
+        for (int64_t j = 0; j < D; ++j) std::memcpy(dst + j * esize, from + j * part.stride(3) * esize, esize);
+      }
+    }
+  return buffer.as_strided({N, H, T + 1, D}, {H * C * D, C * D, D, 1}, 0);
+}
+
 // Every decoder layer of a decode step in one call, for a cache whose layers grow by concatenation (transformers'
-// DynamicCache: DynamicLayer.update is torch.cat([keys, new], dim=-2)): per layer, decode_qkv, the cache's cat, the
-// decode attention and decode_block, the same ops in the same order as decode_layer.py's per-layer step, without the
-// Python between them (about 150 us per layer of MF-small). keys[l] and values[l] are layer l's cache
-// [N, heads, T, D]; the layers' operands come flat: `tensors` 12 per layer (norm1 weight and bias, Q/K/V tables and
-// bias, norm2 weight and bias, layer1 tables and bias, inner norm weight and bias, layer2 tables and bias), `floats` 5
-// (norm1 eps, Q/K/V temperature, norm2 eps, inner eps, block temperature) and `ints` 9 (norm1 kind, Q/K/V hash bits,
-// Q/K/V score, norm2 kind, parallel residual, layer1 hash bits, gelu, layer2 hash bits, block score), a kind being
-// 0 = layernorm, 1 = rmsnorm and a score 0 = paper, 1 = l1. Returns the last layer's output and every layer's grown
-// keys and values, which the caller stores in its cache.
+// DynamicCache: DynamicLayer.update is torch.cat([keys, new], dim=-2)): per layer, decode_qkv, the cache's growth
+// (grow_cache: the values of that cat, in place where `owned[l]` allows), the decode attention and decode_block, the
+// same ops in the same order as decode_layer.py's per-layer step, without the Python between them (about 150 us per
+// layer of MF-small). keys[l] and values[l] are layer l's cache [N, heads, T, D]; the layers' operands come flat:
+// `tensors` 12 per layer (norm1 weight and bias, Q/K/V tables and bias, norm2 weight and bias, layer1 tables and
+// bias, inner norm weight and bias, layer2 tables and bias), `floats` 5 (norm1 eps, Q/K/V temperature, norm2 eps,
+// inner eps, block temperature) and `ints` 9 (norm1 kind, Q/K/V hash bits, Q/K/V score, norm2 kind, parallel
+// residual, layer1 hash bits, gelu, layer2 hash bits, block score), a kind being 0 = layernorm, 1 = rmsnorm and a
+// score 0 = paper, 1 = l1. `owned` holds one flag per layer (or none: no layer owned). Returns the last layer's
+// output and every layer's grown keys and values, which the caller stores in its cache.
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_stack_op(
     const at::Tensor& x, at::TensorList keys, at::TensorList values, const std::optional<at::Tensor>& mask,
     const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double scaling,
-    const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints) {
+    const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints,
+    at::IntArrayRef owned) {
   const char* op = "memoryformer.decode_stack";
   const int64_t L = static_cast<int64_t>(keys.size());
   TORCH_CHECK(static_cast<int64_t>(values.size()) == L && static_cast<int64_t>(tensors.size()) == 12 * L &&
               static_cast<int64_t>(floats.size()) == 5 * L && static_cast<int64_t>(ints.size()) == 9 * L, op,
               ": for ", L, " layers of keys, expected as many values, 12 tensors, 5 floats and 9 ints per layer, got ",
               values.size(), ", ", tensors.size(), ", ", floats.size(), " and ", ints.size());
+  TORCH_CHECK(owned.empty() || static_cast<int64_t>(owned.size()) == L, op, ": owned must hold one flag per layer (",
+              L, ") or none, got ", owned.size());
   TORCH_CHECK(x.dim() == 2 && num_heads >= 1 && x.size(1) % num_heads == 0, op, ": x must be [N, hidden] with hidden "
               "a multiple of num_heads ", num_heads, ", got ", x.sizes());
   const int64_t N = x.size(0), d = x.size(1), D = d / num_heads;
@@ -157,8 +203,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
                                    tensor(t + 3), ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin,
                                    num_heads);
     const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
-    new_keys.push_back(at::cat({keys[l], parts[1]}, -2));
-    new_values.push_back(at::cat({values[l], parts[2]}, -2));
+    const bool own = !owned.empty() && owned[l] != 0;
+    TORCH_CHECK(keys[l].dim() == 4 && values[l].sizes() == keys[l].sizes() && keys[l].size(0) == N &&
+                keys[l].size(1) == num_heads && keys[l].size(3) == D, op, ": layer ", l, "'s keys and values must be [",
+                N, ", ", num_heads, ", T, ", D, "], got ", keys[l].sizes(), " and ", values[l].sizes());
+    new_keys.push_back(grow_cache(keys[l], parts[1], own));
+    new_values.push_back(grow_cache(values[l], parts[2], own));
     const auto attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
                           .reshape({N, 1, d}).contiguous().view({N, d});
     h = decode_block_op(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),

@@ -21,7 +21,8 @@ Paths (both models take each):
 - eager: `generate` with the dynamic KV cache, as transformers runs by default. Attention: a decode step's single
   query position runs the fused kernel's decode attention in both models (MemoryFormer does by default; the twin is
   given it as its attention implementation, `modeling_memoryformer.decode_attention_forward`), so the attention is
-  the same code in both; the prefill runs scaled_dot_product_attention in both.
+  the same code in both; the prefill runs scaled_dot_product_attention in both. In bf16 every linear of the twin
+  (its LM head and weight matrices) runs the few-row pass MemoryFormer's LM head runs (`use_few_row_linears`).
 - compiled: `generate(cache_implementation="static", compile_config=CompileConfig(...))`: the decode step compiled
   by torch.compile (Inductor's C++ backend on the CPU) over a static KV cache (`modeling_memoryformer.compiled_decode_kwargs`).
   Its first call compiles; the timing is of later calls. The greedy tokens are checked against the eager path's.
@@ -37,8 +38,8 @@ exists in float32 (13.5 GB instead of 27).
 from __future__ import annotations
 
 import argparse
-import gc
 import functools
+import gc
 import json
 import os
 import statistics
@@ -113,12 +114,26 @@ def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
     model.eval()
     if kind == "twin":
         use_decode_attention(model)
+    if kind == "twin" and storage == "bf16":
+        use_few_row_linears(model)
     if kind == "twin" and storage == "int8":
         model = dynamic_int8_in_place(model)
     # Both models' large weights on huge pages, as from_pretrained leaves a MemoryFormer (huge_pages.py; the int8
     # twin's packed linears are FBGEMM's own objects and stay where FBGEMM put them).
     place_on_huge_pages(model)
     return model
+
+
+def use_few_row_linears(model) -> None:
+    """Every nn.Linear of the twin (its LM head and weight matrices) computes as MemoryFormer's LM head does: the fused
+    kernel's few-row pass for up to 4 rows without autograd (`memory_ops.few_rows_linear`), F.linear otherwise. On
+    the Zen 3 measured, that pass streams a bf16 weight at 26-29 GB/s and F.linear's GEMV at about 15: the twin gets
+    the faster of the two, so the ratio measures the bytes each architecture reads, not which kernel each one got."""
+    from modeling_memoryformer.memory_ops import few_rows_linear
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = functools.partial(few_rows_linear, weight=module.weight, bias=module.bias)
 
 
 def use_decode_attention(model) -> None:

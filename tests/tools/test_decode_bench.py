@@ -86,3 +86,27 @@ def test_models_are_built_in_their_storage_dtype_with_working_rotary_tables():
         for m in (model, twin, int8, int8_twin):
             m.generation_config.eos_token_id = None
             assert m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0).shape == (1, 7)
+
+
+def test_the_bf16_twin_runs_its_linears_on_the_few_row_pass_with_f_linear_values():
+    """The twin's linears (LM head included) take the few-row pass MemoryFormer's head takes, for a decode step's
+    rows; the logits are F.linear's up to float32 summation order (oracle: the same model with plain nn.Linear)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from conftest import require_kernel
+
+    require_kernel("fused")
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=256, max_position_embeddings=64)
+    plain = GPTNeoXForCausalLM(config).eval()
+    twin = GPTNeoXForCausalLM(config).eval()
+    twin.load_state_dict(plain.state_dict())
+    decode_bench.use_few_row_linears(twin)
+    ids = torch.randint(0, 300, (2, 1))
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = twin(ids).logits
+    calls = sum(e.count for e in prof.key_averages() if e.key == "memoryformer::linear_rows")
+    assert calls == 1 + 4 * config.num_hidden_layers  # the head, and each layer's QKV, dense, h_to_4h and 4h_to_h
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, plain(ids).logits, rtol=1e-4, atol=1e-5)

@@ -13,8 +13,9 @@ calls were most of the step. `decode_layer_step` runs the same layer as
     [attention.dense(attn)]     the attention output Memory Layer, where the config has one
     decode_block(x, attn)       + residual -> post-attention norm -> Memory Block -> + residual
 
-and `decode_stack_step` runs every layer in one `decode_stack` call where the cache is a plain `DynamicCache` (the
-cat that grows it, and the decode attention, done in C++ too).
+and `decode_stack_step` runs every layer in one `decode_stack` call where the cache is a plain `DynamicCache` (its
+growth, with the values of the cat that grows it but in place where the buffer has room, and the decode attention,
+done in C++ too).
 
 Each op inside the calls is the one the modules run, in their order and dtype, so the output is bit-identical to the
 modules' (tests/model/test_decode_layer.py, test_decode_stack.py). Where anything could make the two differ, the

@@ -314,7 +314,8 @@ _GROWN = attrgetter("keys", "values", "is_initialized")
 def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
                       kwargs: dict) -> torch.Tensor | None:
     """Every decoder layer of `MemoryFormerModel` for a decode step in one `decode_stack` call: the per-layer step's
-    calls (`decode_layer_step`) in C++ and the `DynamicCache`'s layers grown as `DynamicLayer.update` grows them.
+    calls (`decode_layer_step`) in C++ and the `DynamicCache`'s layers grown to the values `DynamicLayer.update` gives
+    them, as views of buffers with room that later steps fill in place (`_ROOM` marks the view that may).
     None where it does not apply: where the per-layer step would not, a cache other than a plain `DynamicCache`
     (static, offloaded, quantized, paged: the per-layer step then runs), output capture recording (it calls the layers),
     an attention-output Memory Layer, a mask or keyword the decode attention does not take."""

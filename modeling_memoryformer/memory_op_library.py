@@ -56,9 +56,11 @@ OP_SCHEMAS = {
                     "bool parallel_residual, Tensor tables1, Tensor? bias1, int hash_bits1, bool gelu, "
                     "Tensor inner_weight, Tensor? inner_bias, float inner_eps, Tensor tables2, Tensor? bias2, "
                     "int hash_bits2, str score, float temperature) -> Tensor",
-    # Every decoder layer of a decode step, for a cache grown by concatenation (DynamicCache).
+    # Every decoder layer of a decode step, for a cache grown by concatenation (DynamicCache); owned: per layer, whether
+    # its keys and values are the views the op returned last for their buffers (grown in place where there is room).
     "decode_stack": "(Tensor x, Tensor[] keys, Tensor[] values, Tensor? mask, Tensor cos, Tensor sin, int num_heads, "
-                    "float scaling, Tensor?[] tensors, float[] floats, int[] ints, int[] owned=[]) -> (Tensor, Tensor[], Tensor[])",
+                    "float scaling, Tensor?[] tensors, float[] floats, int[] ints, int[] owned=[]) "
+                    "-> (Tensor, Tensor[], Tensor[])",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",
     "machine_info": "() -> int[]",

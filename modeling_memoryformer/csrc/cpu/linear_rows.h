@@ -21,7 +21,8 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, float*
   constexpr int64_t B = R * L * int64_t(sizeof(T));   // bytes of weight one step of j reads
   const int64_t Dv = D - D % L;
   // The block after next, prefetched B bytes per step: the R rows are R streams D values apart, which the hardware
-  // prefetcher follows worse than one (on the Zen 3 measured, the pass streamed 30% slower without this).
+  // prefetcher follows worse than one (on the Zen 3 measured, MF-small's 77 MB head took 4.7-6.2 ms without this,
+  // 2.6-2.9 ms with it).
   const char* next = reinterpret_cast<const char*>(w + 2 * R * D);
   const char* next_end = reinterpret_cast<const char*>(std::min(w + 3 * R * D, w_end));
   const auto add = [](fVec& p, fVec& q) { return p + q; };

@@ -59,6 +59,7 @@ from .common import (
     memory_stream_gbps,
     other_cores_since,
     peak_rss_bytes,
+    use_few_row_linears,
 )
 
 PRESETS = ("tiny", "small", "base")
@@ -122,18 +123,6 @@ def build_in_dtype(kind: str, preset: str, storage: str, seed: int = 0):
     # twin's packed linears are FBGEMM's own objects and stay where FBGEMM put them).
     place_on_huge_pages(model)
     return model
-
-
-def use_few_row_linears(model) -> None:
-    """Every nn.Linear of the twin (its LM head and weight matrices) computes as MemoryFormer's LM head does: the fused
-    kernel's few-row pass for up to 4 rows without autograd (`memory_ops.few_rows_linear`), F.linear otherwise. On
-    the Zen 3 measured, that pass streams a bf16 weight at 26-29 GB/s and F.linear's GEMV at about 15: the twin gets
-    the faster of the two, so the ratio measures the bytes each architecture reads, not which kernel each one got."""
-    from modeling_memoryformer.memory_ops import few_rows_linear
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = functools.partial(few_rows_linear, weight=module.weight, bias=module.bias)
 
 
 def use_decode_attention(model) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -50,6 +49,7 @@ from .common import (
     peak_rss_bytes,
     round_robin,
     summary,
+    use_few_row_linears,
     wait_for_quiet,
 )
 
@@ -270,12 +270,9 @@ def workload_fn(model, workload: str, spec: ModelSpec, optimizer=None):
 @contextlib.contextmanager
 def few_row_linears(model):
     """Every nn.Linear of `model` computes with `memory_ops.few_rows_linear` (the fused kernel's few-row pass for up
-    to 4 rows without autograd, as MemoryFormer's LM head does; F.linear otherwise) while inside."""
-    from modeling_memoryformer.memory_ops import few_rows_linear
-
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    for m in linears:
-        m.forward = functools.partial(few_rows_linear, weight=m.weight, bias=m.bias)
+    to 4 rows without autograd, as MemoryFormer's LM head does; F.linear otherwise) while inside: `use_few_row_linears`,
+    undone on exit."""
+    linears = use_few_row_linears(model)
     try:
         yield
     finally:

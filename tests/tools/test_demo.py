@@ -13,6 +13,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,13 +47,18 @@ def demo(tmp_path_factory):
     out = root / "report"
     spinners, train_one = [], demo_module._train_one
 
-    def train_beside_another_job(*args, **kwargs):
+    def train_beside_another_job(output_dir, model, *args, **kwargs):
         spinner = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
         spinners.append(spinner)
         assert spinner.stdout.readline().strip() == "spinning"
+        # The tiny model's 4 steps take about 60 ms, a few of /proc/stat's 10 ms ticks: the load measured over them
+        # came out anywhere from 0.37 to 1 core. Each training forward also sleeps 0.1 s, in which the spinner has a
+        # core to itself, so the steps' load is measured over about a second (1.0 cores seen) instead of a few ticks.
+        hook = model.register_forward_pre_hook(lambda module, inputs: time.sleep(0.1) if module.training else None)
         try:
-            return train_one(*args, **kwargs)
+            return train_one(output_dir, model, *args, **kwargs)
         finally:
+            hook.remove()
             # Killed but not waited for until the run is over: a child's CPU counts as this process's own once it
             # is reaped, which would hide the load of the interval it was reaped in.
             os.kill(spinner.pid, signal.SIGKILL)

@@ -7,8 +7,8 @@
 // is D + 8 bytes, its D codes q then a float32 scale and a float32 offset, v = q * scale + offset. A lookup is
 //   y[n] = sum_k s[n,k] (q[r] * scale[r] + offset[r]) = sum_k (s[n,k] scale[r]) q[r] + sum_k s[n,k] offset[r]
 // with r = rows[n,k]: the codes are converted to float in registers and weighted by s * scale, and the offsets make one
-// value per token, added to all of its columns. First pass (int8_weights): those weights [N, K] and the per-token
-// offsets [N], from the 8 bytes after each hit row's codes.
+// value per token, added to all of its columns. Each unit of the token-major pass reads its token's weights and offset
+// first (int8_token_weights), the rows' scales and offsets asked for together with the rows' first codes.
 constexpr int64_t kInt8RowBytes = 8;   // the float32 scale and offset after a row's codes
 
 inline void int8_row_params(const uint8_t* row_end, float& scale, float& offset) {   // row_end: past the codes
@@ -16,25 +16,18 @@ inline void int8_row_params(const uint8_t* row_end, float& scale, float& offset)
   std::memcpy(&offset, row_end + 4, sizeof(float));
 }
 
-void int8_weights(const int64_t* rows, const float* scores, const uint8_t* packed, float* weights,
-                  float* token_offset, int64_t N, int64_t K, int64_t D) {
+// A token's weights s_k scale_k and offset sum_k s_k offset_k (see above), from the 8 bytes after each hit row's codes.
+inline float int8_token_weights(const int64_t* rn, const float* sn, const uint8_t* packed, int64_t K, int64_t D,
+                                float* wn) {
   const int64_t W = D + kInt8RowBytes;
-  parallel_tokens(N, N * K * 16, [=](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      // Every hit row's scale and offset asked for at once (one line past each row's codes, a miss of its own when
-      // the rows are cold), instead of one miss after another in the loop below.
-      for (int64_t k = 0; k < K; ++k) prefetch_span(packed + rows[n * K + k] * W + D, kInt8RowBytes);
-      float off = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        float scale, offset;
-        int8_row_params(packed + rows[n * K + k] * W + D, scale, offset);
-        const float s = scores[n * K + k];
-        weights[n * K + k] = s * scale;
-        off += s * offset;
-      }
-      token_offset[n] = off;
-    }
-  });
+  float off = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    float scale, offset;
+    int8_row_params(packed + rn[k] * W + D, scale, offset);
+    wn[k] = sn[k] * scale;
+    off += sn[k] * offset;
+  }
+  return off;
 }
 
 // a + s0 q0 + s1 q1 + s2 q2 + s3 q3 as four chained multiply-adds (written as one sum of products, the compiler
@@ -58,20 +51,27 @@ constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (on
 // instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
 // dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
 // and dropped are in docs/kernel.md.
-void int8_lookup_token(const int64_t* rows, const float* weights, const float* token_offset, const uint8_t* packed,
-                       const float* bias, float* out, int64_t N, int64_t K, int64_t D) {
+void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* packed, const float* bias, float* out,
+                       int64_t N, int64_t K, int64_t D) {
   const int64_t W = D + kInt8RowBytes;
   for_token_units(rows, N, K, D, 1, [=](int64_t n, int64_t cb, int64_t ce, const int64_t* rnext) {
     const int64_t* rn = rows + n * K;
-    const float* wn = weights + n * K;
-    const float off = token_offset[n];
-    // As lookup_kernel: every row's first span asked for at once, then each row's next span while this one is
-    // summed (K lookups ahead): K rows of reads in flight instead of kAhead.
+    // As lookup_kernel: every row's first span asked for at once, with the row's scale and offset (the line past its
+    // codes), then each row's next span while this one is summed (K lookups ahead): K rows of reads in flight instead
+    // of kAhead. The scales and offsets were a pass of their own before the units, on one thread: a wait on K cold
+    // lines before the codes were asked for.
     const auto prefetch = [=](int64_t k, int64_t c0) {
       int64_t pw = 0;
       if (const uint8_t* p = span_ahead(packed, W, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
     };
-    for (int64_t k = 0; k < K; ++k) prefetch_span(packed + rn[k] * W + cb, std::min(kCols, ce - cb));
+    for (int64_t k = 0; k < K; ++k) {
+      prefetch_span(packed + rn[k] * W + D, kInt8RowBytes);
+      prefetch_span(packed + rn[k] * W + cb, std::min(kCols, ce - cb));
+    }
+    static thread_local std::vector<float> token_weights;   // this thread's, grown to the largest K seen
+    if (static_cast<int64_t>(token_weights.size()) < K) token_weights.resize(K);
+    float* wn = token_weights.data();
+    const float off = int8_token_weights(rn, scores + n * K, packed, K, D, wn);
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
       if (w == kCols) {   // a whole span: the sums in vector registers, row by row (the ragged loop's bits)
@@ -146,12 +146,8 @@ at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, cons
   auto s = scores.to(at::kFloat).contiguous();
   auto out = at::empty({N, D}, packed.options().dtype(at::kFloat));
   if (N == 0 || D == 0) return out;
-  float* weights = scratch<float>(0, N * K + N);
-  float* token_offset = weights + N * K;
-  const int64_t* r = rows.data_ptr<int64_t>();
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  int8_weights(r, s.data_ptr<float>(), q, weights, token_offset, N, K, D);
-  int8_lookup_token(r, weights, token_offset, q, bp, out.data_ptr<float>(), N, K, D);
+  int8_lookup_token(rows.data_ptr<int64_t>(), s.data_ptr<float>(), q, bp, out.data_ptr<float>(), N, K, D);
   return out;
 }

@@ -276,3 +276,43 @@ def test_two_caches_holding_the_same_tensors_never_write_each_others_positions(m
     for fast_cache, cache in zip((first, second, cropped), starts, strict=True):
         for fast_layer, layer in zip(fast_cache.layers, cache.layers, strict=True):
             assert torch.equal(fast_layer.keys, layer.keys) and torch.equal(fast_layer.values, layer.values)
+
+
+def test_a_decode_step_runs_the_model_body_as_a_method_where_that_changes_nothing(monkeypatch):
+    """MemoryFormerForCausalLM runs a stacked decode step's model body as a method (`_decode_stack_run`), not through
+    the model's module call and decorators; where anything could see the difference (a hook on the model, hidden
+    states or attentions asked for, another keyword) the step calls the model as a module, with the same bits."""
+    model = tiny_model(attn_implementation="sdpa")
+    calls = []
+    forward = modeling.MemoryFormerModel.forward
+
+    def counting_forward(self, *args, **kwargs):
+        calls.append(kwargs["input_ids"].shape if kwargs.get("input_ids") is not None else None)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling.MemoryFormerModel, "forward", counting_forward)
+    assert generates_the_modules_bits(model, monkeypatch) == {"stack": NEW - 1, "layer": 0}
+    assert calls[0] == PROMPT.shape and len(calls) == 1 + NEW  # the prefill, then the oracle's NEW steps
+    monkeypatch.undo()
+
+    monkeypatch.setattr(modeling.MemoryFormerModel, "forward", counting_forward)
+    calls.clear()
+    seen = []
+    handle = model.model.register_forward_hook(lambda *args: seen.append(1))
+    runs = counted(monkeypatch)
+    tokens = generate(model)
+    assert len(seen) == NEW and len(calls) == NEW and runs["stack"] == NEW - 1  # module calls, still stacked
+    handle.remove()
+    calls.clear()
+    assert torch.equal(generate(model)[0], tokens[0]) and len(calls) == 1
+
+    cache = filled_cache(model, 2, 3, torch.float32)
+    with torch.inference_mode():
+        model.config.output_hidden_states = True
+        try:
+            out = model(PROMPT[:, -1:], past_key_values=cache)
+        finally:
+            model.config.output_hidden_states = False
+        assert out.hidden_states is not None and len(out.hidden_states) == model.config.num_hidden_layers + 1
+        out = model(PROMPT[:, -1:], past_key_values=filled_cache(model, 2, 3, torch.float32), output_attentions=False)
+    assert calls[-2:] == [(2, 1), (2, 1)] and out.hidden_states is None

@@ -119,8 +119,8 @@ class MemoryFormerRotaryEmbedding(nn.Module):
     # on the Zen 3 of docs/performance.md). Not for the "dynamic" types and "longrope", whose `inv_freq` follows the
     # sequence length, nor under torch.compile, which traces `_compute`. The table is made again when `inv_freq` (moved,
     # converted or changed in place), `attention_scaling` or the dtype changes, or a position lies past its end.
-    _TABLE_TOKENS = 64       # at most this many positions per call take the table (a decode step has one per sequence)
-    _TABLE_MAX = 1 << 20     # positions beyond it are computed
+    _TABLE_TOKENS = 64          # at most this many positions per call take the table (a decode step: one per sequence)
+    _TABLE_BYTES = 16 << 20     # the table's size at most; positions beyond what fits are computed
 
     def _table_rows(self, x: torch.Tensor, position_ids: torch.Tensor):
         if ("dynamic" in self.rope_type or self.rope_type == "longrope" or not isinstance(position_ids, torch.Tensor)
@@ -130,15 +130,16 @@ class MemoryFormerRotaryEmbedding(nn.Module):
             return None
         positions = position_ids.reshape(-1)
         ids = positions.tolist()
-        if not ids or min(ids) < 0 or max(ids) >= self._TABLE_MAX:
-            return None
         inv_freq = self.inv_freq
+        fits = self._TABLE_BYTES // (4 * max(1, inv_freq.numel()) * max(4, x.element_size()))  # cos and sin rows
+        if not ids or min(ids) < 0 or max(ids) >= fits:
+            return None
         key = (inv_freq.data_ptr(), inv_freq._version, inv_freq.dtype, self.attention_scaling, x.dtype)
         table = self.__dict__.get("_rope_table")
         if table is None or table[0] != key or max(ids) >= table[1].shape[0]:
-            length = max(self.max_seq_len_cached, 2 * max(ids) + 2, 64)
+            length = min(fits, max(64, 2 * max(ids) + 2))  # doubled as positions grow: each made again O(1) times
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
-                cos, sin = self._compute(x[:0], torch.arange(length, device="cpu")[None])
+                cos, sin = self._compute(x.new_empty(0), torch.arange(length, device="cpu")[None])
             table = self.__dict__["_rope_table"] = (key, cos[0], sin[0])
         _, cos, sin = table
         shape = (*position_ids.shape, cos.shape[-1])

@@ -95,10 +95,14 @@ def test_table_made_in_inference_mode_serves_calls_outside_it():
     torch.tensor([[-1]]),                             # negative: computed, as before
     torch.tensor([[2.0]]),                            # not integer ids
     torch.tensor([[[1]]]),                            # not [batch, seq]
+    torch.tensor([[10 ** 7]]),                        # beyond what a table of _TABLE_BYTES holds
 ])
 def test_table_is_not_taken_for_other_inputs(positions):
-    ours, _ = _rotary()
+    ours, neox = _rotary()
     assert ours._table_rows(torch.zeros(1), positions) is None
+    if positions.dtype == torch.long and positions.dim() == 2:
+        for got, want in zip(ours(torch.zeros(1), positions), neox(torch.zeros(1), positions)):
+            assert torch.equal(got, want)  # computed, as before
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},

@@ -365,3 +365,60 @@ def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_m
         vars(key)[_ROOM] = vars(value)[_ROOM] = True
         layer.keys, layer.values = key, value
     return out.view(batch, 1, hidden)
+
+
+def decode_stack_run(lm: nn.Module, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                     kwargs: dict):
+    """For `MemoryFormerForCausalLM.forward` (`lm`): a decode step's body of `MemoryFormerModel.forward`, called as a
+    method (`_run`): (last hidden states, cache) where every layer runs in one `decode_stack` call, else None and the
+    step calls the model as a module. The module call around the body (nn.Module's call, transformers'
+    config-defaults and output-capture decorators, the BaseModelOutputWithPast) cost about 0.15-0.2 ms of a 4-10 ms
+    step on the Zen 3 of docs/performance.md; they change nothing here: the call is taken only where the model has no
+    hook or replaced forward, nothing asks for hidden states or attentions, and no keyword or label is given, so the
+    result is the module call's (tests/model/test_decode_stack.py)."""
+    model = lm._modules.get("model")
+    module = nn.modules.module
+    if (kwargs or labels is not None or inputs_embeds is not None or type(model).__name__ != "MemoryFormerModel"
+            or type(cache) is not DynamicCache or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+            or input_ids.shape[1] != 1 or torch.is_grad_enabled() or model.training
+            or torch.compiler.is_compiling() or torch.jit.is_tracing() or model._forward_hooks
+            or model._forward_pre_hooks or "forward" in model.__dict__ or module._global_forward_hooks
+            or module._global_forward_pre_hooks or getattr(lm.config, "output_attentions", False)
+            or getattr(lm.config, "output_hidden_states", False)):
+        return None
+    return model._run(input_ids, attention_mask, position_ids, cache, None, None, {}, stack_only=True)
+
+
+_TABLE_TOKENS = 64       # at most this many positions per call take the table (a decode step: one per sequence)
+_TABLE_BYTES = 16 << 20  # the table's size at most; positions beyond what fits are computed
+
+
+def rotary_table_rows(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+    """For `MemoryFormerRotaryEmbedding.forward`: a decode step's few positions, on the CPU, read from a table of
+    every position's cos and sin that the module's `_compute` made in one call (the same element-wise ops on the same
+    values, so the same bits: tests/model/test_rotary_table.py), in two index_selects instead of about ten small ops
+    (0.15-0.19 ms of a 4-15 ms MF-tiny to MF-base decode step on the Zen 3 of docs/performance.md); None where the
+    module computes them. Not for the "dynamic" types and "longrope", whose `inv_freq` follows the sequence length,
+    nor under torch.compile, which traces `_compute`. The table is made again when `inv_freq` (moved, converted or
+    changed in place), `attention_scaling` or the dtype changes, or a position lies past its end."""
+    if ("dynamic" in rotary.rope_type or rotary.rope_type == "longrope" or not isinstance(position_ids, torch.Tensor)
+            or position_ids.device.type != "cpu" or x.device.type != "cpu" or position_ids.dim() != 2
+            or position_ids.numel() > _TABLE_TOKENS or position_ids.dtype != torch.long
+            or torch.compiler.is_compiling()):
+        return None
+    positions = position_ids.reshape(-1)
+    ids = positions.tolist()
+    inv_freq = rotary.inv_freq
+    fits = _TABLE_BYTES // (4 * max(1, inv_freq.numel()) * max(4, x.element_size()))  # cos and sin rows
+    if not ids or min(ids) < 0 or max(ids) >= fits:
+        return None
+    key = (inv_freq.data_ptr(), inv_freq._version, inv_freq.dtype, rotary.attention_scaling, x.dtype)
+    table = rotary.__dict__.get("_rope_table")
+    if table is None or table[0] != key or max(ids) >= table[1].shape[0]:
+        length = min(fits, max(64, 2 * max(ids) + 2))  # doubled as positions grow: each made again O(1) times
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
+            cos, sin = rotary._compute(x.new_empty(0), torch.arange(length, device="cpu")[None])
+        table = rotary.__dict__["_rope_table"] = (key, cos[0], sin[0])
+    _, cos, sin = table
+    shape = (*position_ids.shape, cos.shape[-1])
+    return cos.index_select(0, positions).view(shape), sin.index_select(0, positions).view(shape)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .memory_kernels import cache_share_bytes
 
@@ -221,3 +223,39 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
         loss, *_ = _linear_cross_entropy_pass(hidden, weight, bias, shift_labels, chunk_tokens, ignore_index,
                                               num_items_in_batch, False, False, False)
         return loss
+
+
+def uses_chunked_loss(model, head_class, labels, logits_to_keep, hidden_states: torch.Tensor) -> bool:
+    """Whether a causal LM's `forward` (`model`) computes the loss with `linear_cross_entropy` instead of full logits:
+    training with labels and gradients, `config.loss_chunk_tokens` > 0, every position kept, the default causal-LM
+    loss, and a plain `head_class` (MemoryFormerLMHead) whose float weight (a plain Parameter, not a DTensor) has the
+    hidden states' dtype and which nothing is attached to (module hooks, accelerate's `_hf_hook`; PEFT replaces the
+    head's class). Everything else (e.g. a bfloat16 head in a float32 model, int8, torch.compile) keeps the
+    full-logits path."""
+    if not (
+        labels is not None
+        and model.training
+        and torch.is_grad_enabled()
+        and model.config.loss_chunk_tokens > 0
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and not torch.compiler.is_compiling()
+        and model.loss_function is ForCausalLMLoss
+    ):
+        return False
+    head = model.lm_head
+    if type(head) is not head_class or getattr(head, "_hf_hook", None) is not None:
+        return False
+    module = nn.modules.module
+    hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks,
+             module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
+             module._global_backward_pre_hooks)
+    if any(hooks):  # someone watches or changes the head's input or output: let them see it run
+        return False
+    weight, bias = head.weight, head.bias
+    return (
+        type(weight) is nn.Parameter  # a DTensor (FSDP2, tensor parallel) or other subclass keeps the old path
+        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and weight.dtype == hidden_states.dtype
+        and (bias is None or (type(bias) is nn.Parameter and bias.dtype == weight.dtype))
+    )

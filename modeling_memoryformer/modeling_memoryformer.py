@@ -15,7 +15,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -26,8 +25,9 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
-from .decode_layer import decode_layer_step, decode_stack_step
+from .decode_layer import decode_layer_step, decode_stack_run, decode_stack_step, rotary_table_rows
 from .huge_pages import place_on_huge_pages
+from .memory_loss import uses_chunked_loss
 from .memory_ops import decode_attention_forward, few_rows_linear, linear_cross_entropy
 from .memory_layer import MemoryLayer
 from .quantization import TableStorageMixin, Int8LMHead, bf16_linear
@@ -101,7 +101,7 @@ class MemoryFormerRotaryEmbedding(nn.Module):
         return inv_freq.to(device), attention_factor
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        rows = self._table_rows(x, position_ids)
+        rows = rotary_table_rows(self, x, position_ids)  # decode_layer.py: a decode step's positions from a table
         return self._compute(x, position_ids) if rows is None else rows
 
     @torch.no_grad()
@@ -112,38 +112,6 @@ class MemoryFormerRotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-    # A decode step's few positions, on the CPU, read from a table of every position's cos and sin that `_compute`
-    # made in one call: the same element-wise ops on the same values, so the same bits (tests/model/test_rotary_table.py),
-    # in two index_selects instead of about ten small ops (0.15-0.19 ms of a 4-15 ms MF-tiny to MF-base decode step
-    # on the Zen 3 of docs/performance.md). Not for the "dynamic" types and "longrope", whose `inv_freq` follows the
-    # sequence length, nor under torch.compile, which traces `_compute`. The table is made again when `inv_freq` (moved,
-    # converted or changed in place), `attention_scaling` or the dtype changes, or a position lies past its end.
-    _TABLE_TOKENS = 64          # at most this many positions per call take the table (a decode step: one per sequence)
-    _TABLE_BYTES = 16 << 20     # the table's size at most; positions beyond what fits are computed
-
-    def _table_rows(self, x: torch.Tensor, position_ids: torch.Tensor):
-        if ("dynamic" in self.rope_type or self.rope_type == "longrope" or not isinstance(position_ids, torch.Tensor)
-                or position_ids.device.type != "cpu" or x.device.type != "cpu" or position_ids.dim() != 2
-                or position_ids.numel() > self._TABLE_TOKENS or position_ids.dtype != torch.long
-                or torch.compiler.is_compiling()):
-            return None
-        positions = position_ids.reshape(-1)
-        ids = positions.tolist()
-        inv_freq = self.inv_freq
-        fits = self._TABLE_BYTES // (4 * max(1, inv_freq.numel()) * max(4, x.element_size()))  # cos and sin rows
-        if not ids or min(ids) < 0 or max(ids) >= fits:
-            return None
-        key = (inv_freq.data_ptr(), inv_freq._version, inv_freq.dtype, self.attention_scaling, x.dtype)
-        table = self.__dict__.get("_rope_table")
-        if table is None or table[0] != key or max(ids) >= table[1].shape[0]:
-            length = min(fits, max(64, 2 * max(ids) + 2))  # doubled as positions grow: each made again O(1) times
-            with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
-                cos, sin = self._compute(x.new_empty(0), torch.arange(length, device="cpu")[None])
-            table = self.__dict__["_rope_table"] = (key, cos[0], sin[0])
-        _, cos, sin = table
-        shape = (*position_ids.shape, cos.shape[-1])
-        return cos.index_select(0, positions).view(shape), sin.index_select(0, positions).view(shape)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -587,7 +555,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
     def _run(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs: dict,
              stack_only: bool = False):
         """The forward's body: (the last hidden states, the cache). With `stack_only`, None (and nothing run that
-        changes a thing) unless `decode_stack` ran every layer (`MemoryFormerForCausalLM._decode_stack_run`)."""
+        changes a thing) unless `decode_stack` ran every layer (`decode_layer.decode_stack_run`)."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
@@ -674,8 +642,8 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
         past_key_values / cache: the KV cache, under either name (see `MemoryFormerModel.forward`)."""
         past_key_values = cache_argument(past_key_values, cache)
         check_keywords(MemoryFormerForCausalLM.forward, kwargs, self._attention_function(), past_key_values)
-        run = self._decode_stack_run(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
-                                     kwargs)
+        run = decode_stack_run(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
+                               kwargs)  # decode_layer.py: a stacked decode step's model body, as a method
         if run is None:
             outputs: BaseModelOutputWithPast = self.model(
                 input_ids=input_ids,
@@ -692,7 +660,7 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
             (last_hidden_state, cache_out), all_hidden_states, attentions = run, None, None
         hidden_states = slice_logits_to_keep(last_hidden_state, logits_to_keep)
         logits = loss = None
-        if self._uses_chunked_loss(labels, logits_to_keep, hidden_states):
+        if uses_chunked_loss(self, MemoryFormerLMHead, labels, logits_to_keep, hidden_states):
             loss = linear_cross_entropy(
                 hidden_states, self.lm_head.weight, self.lm_head.bias, labels,
                 chunk_tokens=self.config.loss_chunk_tokens,
@@ -713,64 +681,10 @@ class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
             attentions=attentions,
         )
 
-    def _decode_stack_run(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs: dict):
-        """A decode step's body of `MemoryFormerModel.forward`, called as a method: (last hidden states, cache) where
-        every layer runs in one `decode_stack` call (decode_layer.decode_stack_step), else None and the step calls the
-        model as a module. The module call around the body (nn.Module's call, transformers' config-defaults and
-        output-capture decorators, the BaseModelOutputWithPast) cost about 0.15-0.2 ms of a 4-10 ms step on the Zen 3
-        of docs/performance.md; they change nothing here: the call is taken only where the model has no hook or
-        replaced forward, nothing asks for hidden states or attentions, and no keyword or label is given, so the
-        result is the module call's (tests/model/test_decode_stack.py)."""
-        model = self._modules.get("model")
-        module = nn.modules.module
-        if (kwargs or labels is not None or inputs_embeds is not None or type(model) is not MemoryFormerModel
-                or type(cache) is not DynamicCache or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
-                or input_ids.shape[1] != 1 or torch.is_grad_enabled() or model.training
-                or torch.compiler.is_compiling() or torch.jit.is_tracing() or model._forward_hooks
-                or model._forward_pre_hooks or "forward" in model.__dict__ or module._global_forward_hooks
-                or module._global_forward_pre_hooks or getattr(self.config, "output_attentions", False)
-                or getattr(self.config, "output_hidden_states", False)):
-            return None
-        return model._run(input_ids, attention_mask, position_ids, cache, None, None, {}, stack_only=True)
 
-    def _uses_chunked_loss(self, labels, logits_to_keep, hidden_states: torch.Tensor) -> bool:
-        """Whether `forward` computes the loss with `linear_cross_entropy` instead of full logits: training with
-        labels and gradients, `config.loss_chunk_tokens` > 0, every position kept, the default causal-LM loss, and a
-        plain `MemoryFormerLMHead` whose float weight (a plain Parameter, not a DTensor) has the hidden states' dtype
-        and which nothing is attached to (module hooks, accelerate's `_hf_hook`; PEFT replaces the head's class).
-        Everything else (e.g. a bfloat16 head in a float32 model, int8, torch.compile) keeps the full-logits path."""
-        if not (
-            labels is not None
-            and self.training
-            and torch.is_grad_enabled()
-            and self.config.loss_chunk_tokens > 0
-            and isinstance(logits_to_keep, int)
-            and logits_to_keep == 0
-            and not torch.compiler.is_compiling()
-            and self.loss_function is ForCausalLMLoss
-        ):
-            return False
-        head = self.lm_head
-        if type(head) is not MemoryFormerLMHead or getattr(head, "_hf_hook", None) is not None:
-            return False
-        module = nn.modules.module
-        hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks,
-                 module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
-                 module._global_backward_pre_hooks)
-        if any(hooks):  # someone watches or changes the head's input or output: let them see it run
-            return False
-        weight, bias = head.weight, head.bias
-        return (
-            type(weight) is nn.Parameter  # a DTensor (FSDP2, tensor parallel) or other subclass keeps the old path
-            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and weight.dtype == hidden_states.dtype
-            and (bias is None or (type(bias) is nn.Parameter and bias.dtype == weight.dtype))
-        )
-
-
-# The forwards' signatures, read once: generate's `prepare_inputs_for_generation` asks for the model's on every step (for
-# a class registered for the auto classes, as this one is), and inspect.signature unwraps the decorators each time
-# (40 us; 9 with the signature stored, which inspect returns as it is).
+# The forwards' signatures, read once: generate's `prepare_inputs_for_generation` asks for the model's on every step
+# (for a class registered for the auto classes, as this one is), and inspect.signature unwraps the decorators each
+# time (40 us; 9 with the signature stored, which inspect returns as it is).
 for _forward in (MemoryFormerModel.forward, MemoryFormerForCausalLM.forward):
     _forward.__signature__ = inspect.signature(_forward)
 del _forward

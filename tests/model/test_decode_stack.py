@@ -279,7 +279,7 @@ def test_two_caches_holding_the_same_tensors_never_write_each_others_positions(m
 
 
 def test_a_decode_step_runs_the_model_body_as_a_method_where_that_changes_nothing(monkeypatch):
-    """MemoryFormerForCausalLM runs a stacked decode step's model body as a method (`_decode_stack_run`), not through
+    """MemoryFormerForCausalLM runs a stacked decode step's model body as a method (`decode_layer.decode_stack_run`), not through
     the model's module call and decorators; where anything could see the difference (a hook on the model, hidden
     states or attentions asked for, another keyword) the step calls the model as a module, with the same bits."""
     model = tiny_model(attn_implementation="sdpa")

@@ -1,4 +1,4 @@
-"""The rotary embedding's table for a decode step's few positions (`MemoryFormerRotaryEmbedding._table_rows`): the
+"""The rotary embedding's table for a decode step's few positions (`decode_layer.rotary_table_rows`): the
 same bits as computing the positions' cos and sin (`_compute`) and as transformers' `GPTNeoXRotaryEmbedding`, in every
 dtype and rotary width, past max_position_embeddings too; made again when what it was made from changes; not taken
 where `inv_freq` follows the sequence length or where the positions are many."""
@@ -9,6 +9,7 @@ from transformers import GPTNeoXConfig
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 
 from conftest import tiny_config
+from modeling_memoryformer.decode_layer import rotary_table_rows
 from modeling_memoryformer.modeling_memoryformer import MemoryFormerRotaryEmbedding
 
 MAX_POSITIONS = 64
@@ -46,7 +47,7 @@ def test_table_rows_equal_the_computed_ones_and_gpt_neox_bit_for_bit(dtype, head
     ours, neox = _rotary(rope, head_dim, heads, rotary_pct)
     x = torch.zeros(1, dtype=dtype)
     for positions in _decode_positions(torch.Generator().manual_seed(0)):
-        rows = ours._table_rows(x, positions)
+        rows = rotary_table_rows(ours, x, positions)
         assert rows is not None, positions  # the fast path is taken for these
         computed, reference = ours._compute(x, positions), neox(x, positions)
         for got, want, ref in zip(rows, computed, reference):
@@ -99,7 +100,7 @@ def test_table_made_in_inference_mode_serves_calls_outside_it():
 ])
 def test_table_is_not_taken_for_other_inputs(positions):
     ours, neox = _rotary()
-    assert ours._table_rows(torch.zeros(1), positions) is None
+    assert rotary_table_rows(ours, torch.zeros(1), positions) is None
     if positions.dtype == torch.long and positions.dim() == 2:
         for got, want in zip(ours(torch.zeros(1), positions), neox(torch.zeros(1), positions)):
             assert torch.equal(got, want)  # computed, as before
@@ -111,7 +112,7 @@ def test_table_is_not_taken_for_other_inputs(positions):
 def test_types_whose_frequencies_follow_the_length_are_computed(rope):
     ours, neox = _rotary(rope)
     x = torch.zeros(1)
-    assert ours._table_rows(x, torch.tensor([[5]])) is None
+    assert rotary_table_rows(ours, x, torch.tensor([[5]])) is None
     for positions in (torch.arange(3 * MAX_POSITIONS)[None], torch.tensor([[5]])):  # grows, then resets
         for got, want in zip(ours(x, positions), neox(x, positions)):
             assert torch.equal(got, want)

@@ -410,12 +410,13 @@ def rotary_table_rows(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Te
     ids = positions.tolist()
     inv_freq = rotary.inv_freq
     fits = _TABLE_BYTES // (4 * max(1, inv_freq.numel()) * max(4, x.element_size()))  # cos and sin rows
-    if not ids or min(ids) < 0 or max(ids) >= fits:
+    last = max(ids, default=-1)
+    if last < 0 or min(ids) < 0 or last >= fits:
         return None
     key = (inv_freq.data_ptr(), inv_freq._version, inv_freq.dtype, rotary.attention_scaling, x.dtype)
     table = rotary.__dict__.get("_rope_table")
-    if table is None or table[0] != key or max(ids) >= table[1].shape[0]:
-        length = min(fits, max(64, 2 * max(ids) + 2))  # doubled as positions grow: each made again O(1) times
+    if table is None or table[0] != key or last >= table[1].shape[0]:
+        length = min(fits, max(64, 2 * last + 2))  # doubled as positions grow: each made again O(1) times
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode too
             cos, sin = rotary._compute(x.new_empty(0), torch.arange(length, device="cpu")[None])
         table = rotary.__dict__["_rope_table"] = (key, cos[0], sin[0])

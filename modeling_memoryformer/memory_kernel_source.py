@@ -134,6 +134,14 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = fVec::size();   // floats per vector register of the target
+// A vector of sums as a plain vector type of fVec's size (GCC's and Clang's vector extension), for arrays of sums
+// that must stay in registers: GCC keeps an array of fVec (a class) in memory where its loops are not unrolled before
+// its scalar replacement runs, and did so for all but one of the few-row linear's sums (a store and a reload per
+// multiply-add, with GCC 12 for Zen 1 and Zen 3 alike); an array of RawVec it keeps in registers. Same values: the
+// conversions are copies of the bits.
+typedef float RawVec __attribute__((vector_size(sizeof(fVec))));
+inline RawVec raw_vec(const fVec& v) { RawVec r; std::memcpy(&r, &v, sizeof(r)); return r; }
+inline fVec from_raw(const RawVec& r) { fVec v; std::memcpy(&v, &r, sizeof(v)); return v; }
 #if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
 constexpr int kVecRegs = 32;   // architectural vector registers
 #else
@@ -1411,10 +1419,11 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
             if (kTables) acc[j] += s * y[j];
             if (kScores) dot += y[j] * tv[j];
           }
-        } else {
+        } else {   // a ragged last block: explicit fused multiply-adds, so that the backward of scores alone has the
+                   // bits of the backward of both (GCC 12 for Zen 1 contracted the sums of the two differently)
           for (int64_t j = 0; j < w; ++j) {
-            if (kTables) acc[j] += s * y[j];
-            if (kScores) dot += y[j] * tv[j];
+            if (kTables) acc[j] = std::fma(s, y[j], acc[j]);
+            if (kScores) dot = std::fma(y[j], tv[j], dot);
           }
         }
         if (kScores) part[e] += dot;
@@ -1799,9 +1808,10 @@ at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, cons
 // output). The output columns are split over the threads in contiguous ranges, so the pass streams W once; each
 // thread takes R weight rows at a time and keeps one sum per (row of x, weight row) in a vector register: M x R
 // independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector loaded once for R weight rows. The sums are
-// kept in registers: GCC kept the earlier kernel's array of sums on the stack (a store and a reload per
-// FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, below what
-// two cores stream (docs/kernel.md).
+// kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's array of sums on the stack (a store and a
+// reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, and
+// the array of fVec that replaced it kept 7 of its 8 sums there still (GCC 12); on a 2-vCPU Zen 1 the MF-base head
+// (50304 x 1024 bf16) went from 5.5 to 4.7-5.0 ms with them in registers, in a copy of this loop (docs/kernel.md).
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
 // Sums of one block: R weight rows [w, w + R * D) against M rows of x, each reduced to a float after its vector
@@ -1820,9 +1830,9 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, float*
   const auto add = [](fVec& p, fVec& q) { return p + q; };
   // The chains: loops over constants, unrolled by pragma so that GCC keeps the array in registers (left to its own
   // unroller, it unrolled them too late and kept the array on the stack).
-  fVec acc[M * R];
+  RawVec acc[M * R];   // in registers (RawVec: see prelude.h)
 #pragma GCC unroll 8
-  for (int64_t i = 0; i < M * R; ++i) acc[i] = fVec(0.f);
+  for (int64_t i = 0; i < M * R; ++i) acc[i] = raw_vec(fVec(0.f));
   for (int64_t j = 0; j < Dv; j += L, next += B) {
     if (next < next_end)
       for (int64_t c = 0; c < B; c += 64) __builtin_prefetch(next + c);
@@ -1833,13 +1843,13 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, float*
     for (int64_t r = 0; r < R; ++r) {
       const fVec u = load_floats(w + r * D + j);
 #pragma GCC unroll 4
-      for (int64_t m = 0; m < M; ++m) acc[m * R + r] = at::vec::fmadd(xv[m], u, acc[m * R + r]);
+      for (int64_t m = 0; m < M; ++m) acc[m * R + r] = raw_vec(at::vec::fmadd(xv[m], u, from_raw(acc[m * R + r])));
     }
   }
   // The reduction's loops have a runtime tail inside and do not unroll: they read a copy.
   fVec sums[M * R];
 #pragma GCC unroll 8
-  for (int64_t i = 0; i < M * R; ++i) sums[i] = acc[i];
+  for (int64_t i = 0; i < M * R; ++i) sums[i] = from_raw(acc[i]);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r) {
       float sum = at::vec::vec_reduce_all<float>(add, sums[m * R + r]);

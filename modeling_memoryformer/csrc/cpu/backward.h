@@ -81,10 +81,11 @@ void backward_block(const Buckets<typename Acc<T>::type>& b, const T* tables,
             if (kTables) acc[j] += s * y[j];
             if (kScores) dot += y[j] * tv[j];
           }
-        } else {
+        } else {   // a ragged last block: explicit fused multiply-adds, so that the backward of scores alone has the
+                   // bits of the backward of both (GCC 12 for Zen 1 contracted the sums of the two differently)
           for (int64_t j = 0; j < w; ++j) {
-            if (kTables) acc[j] += s * y[j];
-            if (kScores) dot += y[j] * tv[j];
+            if (kTables) acc[j] = std::fma(s, y[j], acc[j]);
+            if (kScores) dot = std::fma(y[j], tv[j], dot);
           }
         }
         if (kScores) part[e] += dot;

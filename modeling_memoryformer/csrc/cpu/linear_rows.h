@@ -7,9 +7,10 @@
 // output). The output columns are split over the threads in contiguous ranges, so the pass streams W once; each
 // thread takes R weight rows at a time and keeps one sum per (row of x, weight row) in a vector register: M x R
 // independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector loaded once for R weight rows. The sums are
-// kept in registers: GCC kept the earlier kernel's array of sums on the stack (a store and a reload per
-// FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, below what
-// two cores stream (docs/kernel.md).
+// kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's array of sums on the stack (a store and a
+// reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, and
+// the array of fVec that replaced it kept 7 of its 8 sums there still (GCC 12); on a 2-vCPU Zen 1 the MF-base head
+// (50304 x 1024 bf16) went from 5.5 to 4.7-5.0 ms with them in registers, in a copy of this loop (docs/kernel.md).
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
 // Sums of one block: R weight rows [w, w + R * D) against M rows of x, each reduced to a float after its vector
@@ -28,9 +29,9 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, float*
   const auto add = [](fVec& p, fVec& q) { return p + q; };
   // The chains: loops over constants, unrolled by pragma so that GCC keeps the array in registers (left to its own
   // unroller, it unrolled them too late and kept the array on the stack).
-  fVec acc[M * R];
+  RawVec acc[M * R];   // in registers (RawVec: see prelude.h)
 #pragma GCC unroll 8
-  for (int64_t i = 0; i < M * R; ++i) acc[i] = fVec(0.f);
+  for (int64_t i = 0; i < M * R; ++i) acc[i] = raw_vec(fVec(0.f));
   for (int64_t j = 0; j < Dv; j += L, next += B) {
     if (next < next_end)
       for (int64_t c = 0; c < B; c += 64) __builtin_prefetch(next + c);
@@ -41,13 +42,13 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, float*
     for (int64_t r = 0; r < R; ++r) {
       const fVec u = load_floats(w + r * D + j);
 #pragma GCC unroll 4
-      for (int64_t m = 0; m < M; ++m) acc[m * R + r] = at::vec::fmadd(xv[m], u, acc[m * R + r]);
+      for (int64_t m = 0; m < M; ++m) acc[m * R + r] = raw_vec(at::vec::fmadd(xv[m], u, from_raw(acc[m * R + r])));
     }
   }
   // The reduction's loops have a runtime tail inside and do not unroll: they read a copy.
   fVec sums[M * R];
 #pragma GCC unroll 8
-  for (int64_t i = 0; i < M * R; ++i) sums[i] = acc[i];
+  for (int64_t i = 0; i < M * R; ++i) sums[i] = from_raw(acc[i]);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r) {
       float sum = at::vec::vec_reduce_all<float>(add, sums[m * R + r]);

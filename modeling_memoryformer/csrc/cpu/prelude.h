@@ -124,6 +124,14 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = fVec::size();   // floats per vector register of the target
+// A vector of sums as a plain vector type of fVec's size (GCC's and Clang's vector extension), for arrays of sums
+// that must stay in registers: GCC keeps an array of fVec (a class) in memory where its loops are not unrolled before
+// its scalar replacement runs, and did so for all but one of the few-row linear's sums (a store and a reload per
+// multiply-add, with GCC 12 for Zen 1 and Zen 3 alike); an array of RawVec it keeps in registers. Same values: the
+// conversions are copies of the bits.
+typedef float RawVec __attribute__((vector_size(sizeof(fVec))));
+inline RawVec raw_vec(const fVec& v) { RawVec r; std::memcpy(&r, &v, sizeof(r)); return r; }
+inline fVec from_raw(const RawVec& r) { fVec v; std::memcpy(&v, &r, sizeof(v)); return v; }
 #if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
 constexpr int kVecRegs = 32;   // architectural vector registers
 #else

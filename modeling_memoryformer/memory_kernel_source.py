@@ -2092,6 +2092,21 @@ void rotate_heads(T* x, const T* cos, const T* sin, int64_t heads, int64_t D, in
   }
 }
 
+// The Q and K heads of qkv [N, 3d] (contiguous) rotated in place by cos and sin ([N or 1, 1, r], checked by the
+// caller), `num_heads` heads of d / num_heads each.
+void rotate_qk(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+  const int64_t N = qkv.size(0), d = qkv.size(1) / 3, D = d / num_heads, r = cos.size(-1);
+  if (r == 0) return;
+  const auto c = cos.contiguous(), s = sin.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "memoryformer_decode_qkv", [&] {
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t pos = c.size(0) == 1 ? 0 : n;
+      rotate_heads<scalar_t>(qkv.data_ptr<scalar_t>() + n * 3 * d, c.data_ptr<scalar_t>() + pos * r,
+                             s.data_ptr<scalar_t>() + pos * r, 2 * num_heads, D, r);
+    }
+  });
+}
+
 // x [N, d] (one position of N sequences) -> [N, 3d] = the Q/K/V Memory Layer on norm(x), Q and K rotated by cos
 // and sin ([N or 1, 1, r], r <= head_dim, even) over `num_heads` heads each.
 at::Tensor decode_qkv_op(const at::Tensor& x, const at::Tensor& norm_weight, const std::optional<at::Tensor>& norm_bias,
@@ -2112,15 +2127,7 @@ at::Tensor decode_qkv_op(const at::Tensor& x, const at::Tensor& norm_weight, con
                                  score, temperature);
   TORCH_CHECK(qkv.size(1) == 3 * d && qkv.is_contiguous(), op, ": the tables must have 3 * hidden = ", 3 * d,
               " columns, got ", qkv.size(1));
-  if (r == 0) return qkv;
-  const auto c = cos.contiguous(), s = sin.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "memoryformer_decode_qkv", [&] {
-    for (int64_t n = 0; n < N; ++n) {
-      const int64_t pos = c.size(0) == 1 ? 0 : n;
-      rotate_heads<scalar_t>(qkv.data_ptr<scalar_t>() + n * 3 * d, c.data_ptr<scalar_t>() + pos * r,
-                             s.data_ptr<scalar_t>() + pos * r, 2 * num_heads, D, r);
-    }
-  });
+  rotate_qk(qkv, cos, sin, num_heads);
   return qkv;
 }
 
@@ -2143,6 +2150,89 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
   if (gelu) y = at::gelu(y);
   y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
   return h + decode_memory_layer(y, tables2, bias2, tau2, score, temperature);
+}
+
+// ------------------------------------------------------------------------------------------------ lean stack layer
+// decode_stack runs a layer whose Memory Layers have floating tables of the hidden states' dtype, at most
+// kSmallBatch sequences, with the hash and token-major lookup kernels called directly and the residual adds as plain
+// loops: the values of decode_qkv and decode_block (the lookup op takes the token-major kernel for so few tokens, and
+// ATen's add of two float32, bfloat16 or float16 tensors is one float32 sum rounded once), without the ops' argument
+// checks, strategy choice and about ten allocations and dispatches per layer. Operands it does not take (int8
+// tables, another dtype, a shape the ops would refuse) go to decode_qkv and decode_block, which say what is wrong.
+struct LeanScratch {
+  std::vector<int64_t> rows;
+  std::vector<float> scores;
+  at::Tensor qkv, y1, y2;   // reused by every layer of one call (shapes checked by lean_tables)
+};
+
+// Whether a Memory Layer of `in` inputs and `out` outputs runs lean: tables [K << tau, out] of `dtype`, contiguous,
+// K = in / tau, a positive temperature, a bias [out] of `dtype` or none.
+bool lean_tables(const at::Tensor& tables, const std::optional<at::Tensor>& bias, int64_t in, int64_t out, int64_t tau,
+                 double temperature, at::ScalarType dtype) {
+  if (tau < 1 || tau > 16 || in % tau != 0 || !(temperature > 0)) return false;
+  if (!tables.defined() || tables.scalar_type() != dtype || tables.dim() != 2 || !tables.is_contiguous() ||
+      !tables.device().is_cpu() || tables.size(0) != ((in / tau) << tau) || tables.size(1) != out)
+    return false;
+  return !(bias.has_value() && bias->defined()) ||
+         (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == out && bias->is_contiguous() &&
+          bias->device().is_cpu());
+}
+
+// out [N, D] = the Memory Layer on x [N, in] (contiguous): hash_kernel, then lookup_kernel (`lean_tables` holds).
+template <typename T>
+void lean_memory_layer_as(const at::Tensor& x, const at::Tensor& tables, const std::optional<at::Tensor>& bias,
+                          int64_t tau, bool l1, double temperature, at::Tensor& out, LeanScratch& s) {
+  const int64_t N = x.size(0), K = x.size(1) / tau, D = tables.size(1);
+  s.rows.resize(N * K);
+  s.scores.resize(N * K);
+  hash_kernel<T>(x.data_ptr<T>(), s.rows.data(), s.scores.data(), N, K, tau, l1, temperature);
+  const T* b = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
+  lookup_kernel<T>(s.rows.data(), s.scores.data(), tables.data_ptr<T>(), b, out.data_ptr<T>(), N, K, D);
+}
+
+void lean_memory_layer(const at::Tensor& x, const at::Tensor& tables, const std::optional<at::Tensor>& bias,
+                       int64_t tau, bool l1, double temperature, at::Tensor& out, LeanScratch& s) {
+  switch (x.scalar_type()) {   // the dtypes decode_stack runs lean
+    case at::kFloat: lean_memory_layer_as<float>(x, tables, bias, tau, l1, temperature, out, s); break;
+    case at::kBFloat16: lean_memory_layer_as<c10::BFloat16>(x, tables, bias, tau, l1, temperature, out, s); break;
+    default: lean_memory_layer_as<c10::Half>(x, tables, bias, tau, l1, temperature, out, s); break;
+  }
+}
+
+// out = a + b (contiguous, one shape and dtype; out may be a): each sum in float32, rounded once to the dtype.
+void lean_add(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  const int64_t n = a.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "memoryformer_lean_add", [&] {
+    using A = typename Acc<scalar_t>::type;
+    const scalar_t* pa = a.data_ptr<scalar_t>();
+    const scalar_t* pb = b.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) po[i] = static_cast<scalar_t>(A(pa[i]) + A(pb[i]));
+  });
+}
+
+// decode_block's value for x and attn [N, d] (contiguous), its Memory Layers run lean.
+at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& norm_weight,
+                      const std::optional<at::Tensor>& norm_bias, double eps, c10::string_view norm,
+                      bool parallel_residual, const at::Tensor& tables1, const std::optional<at::Tensor>& bias1,
+                      int64_t tau1, bool gelu, const at::Tensor& inner_weight,
+                      const std::optional<at::Tensor>& inner_bias, double inner_eps, const at::Tensor& tables2,
+                      const std::optional<at::Tensor>& bias2, int64_t tau2, bool l1, double temperature,
+                      LeanScratch& s) {
+  auto h = at::empty_like(x, at::MemoryFormat::Contiguous);
+  lean_add(x, attn, h);
+  const int64_t N = x.size(0);
+  if (!s.y1.defined() || s.y1.size(0) != N || s.y1.size(1) != tables1.size(1))
+    s.y1 = at::empty({N, tables1.size(1)}, x.options());
+  if (!s.y2.defined() || s.y2.size(0) != N || s.y2.size(1) != tables2.size(1))
+    s.y2 = at::empty({N, tables2.size(1)}, x.options());
+  lean_memory_layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(), tables1,
+                    bias1, tau1, l1, temperature, s.y1, s);
+  auto y = gelu ? at::gelu(s.y1) : s.y1;
+  y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
+  lean_memory_layer(y, tables2, bias2, tau2, l1, temperature, s.y2, s);
+  lean_add(h, s.y2, h);
+  return h;
 }
 
 // A layer's keys or values [N, H, T, D] grown by one position `part` ([N, H, 1, D], any strides), with the values
@@ -2229,11 +2319,35 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
   new_keys.reserve(L);
   new_values.reserve(L);
   at::Tensor h = x;
+  const auto dtype = x.scalar_type();
+  const bool lean_batch = N <= kSmallBatch && x.is_contiguous() &&
+                          (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
+  LeanScratch scratch;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t t = 12 * l, f = 5 * l, i = 9 * l;
-    const auto qkv = decode_qkv_op(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), required(t + 2),
-                                   tensor(t + 3), ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin,
-                                   num_heads);
+    const at::Tensor tables_qkv = required(t + 2), tables1 = required(t + 6), tables2 = required(t + 10);
+    const int64_t d1 = tables1.dim() == 2 ? tables1.size(1) : -1;
+    // cos and sin as decode_qkv takes them (it checks them; so does the lean layer, through decode_qkv's checks on
+    // the first layer that runs it, or here)
+    const bool rotary_ok = cos.dim() == 3 && sin.sizes() == cos.sizes() && (cos.size(0) == N || cos.size(0) == 1) &&
+                           cos.size(1) == 1 && cos.size(-1) % 2 == 0 && cos.size(-1) <= D && cos.size(-1) <= 512 &&
+                           cos.scalar_type() == dtype && sin.scalar_type() == dtype;
+    const bool lean = lean_batch && rotary_ok && d1 > 0 &&
+                      lean_tables(tables_qkv, tensor(t + 3), d, 3 * d, ints[i + 1], floats[f + 1], dtype) &&
+                      lean_tables(tables1, tensor(t + 7), d, d1, ints[i + 5], floats[f + 4], dtype) &&
+                      lean_tables(tables2, tensor(t + 11), d1, d, ints[i + 7], floats[f + 4], dtype) &&
+                      (ints[i + 2] == 0 || ints[i + 2] == 1) && (ints[i + 8] == 0 || ints[i + 8] == 1);
+    at::Tensor qkv;
+    if (lean) {
+      if (!scratch.qkv.defined()) scratch.qkv = at::empty({N, 3 * d}, x.options());
+      qkv = scratch.qkv;
+      lean_memory_layer(decode_norm(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i])).contiguous(),
+                        tables_qkv, tensor(t + 3), ints[i + 1], ints[i + 2] == 1, floats[f + 1], qkv, scratch);
+      rotate_qk(qkv, cos, sin, num_heads);
+    } else {
+      qkv = decode_qkv_op(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), tables_qkv, tensor(t + 3),
+                          ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin, num_heads);
+    }
     const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
     const bool own = !owned.empty() && owned[l] != 0;
     TORCH_CHECK(keys[l].dim() == 4 && values[l].sizes() == keys[l].sizes() && keys[l].size(0) == N &&
@@ -2243,10 +2357,16 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
     new_values.push_back(grow_cache(values[l], parts[2], own));
     const auto attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
                           .reshape({N, 1, d}).contiguous().view({N, d});
-    h = decode_block_op(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
-                        ints[i + 4] != 0, required(t + 6), tensor(t + 7), ints[i + 5], ints[i + 6] != 0,
-                        required(t + 8), tensor(t + 9), floats[f + 3], required(t + 10), tensor(t + 11), ints[i + 7],
-                        pick(scores, ints[i + 8]), floats[f + 4]);
+    if (lean)
+      h = lean_block(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
+                     ints[i + 4] != 0, tables1, tensor(t + 7), ints[i + 5], ints[i + 6] != 0, required(t + 8),
+                     tensor(t + 9), floats[f + 3], tables2, tensor(t + 11), ints[i + 7], ints[i + 8] == 1,
+                     floats[f + 4], scratch);
+    else
+      h = decode_block_op(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
+                          ints[i + 4] != 0, tables1, tensor(t + 7), ints[i + 5], ints[i + 6] != 0,
+                          required(t + 8), tensor(t + 9), floats[f + 3], tables2, tensor(t + 11), ints[i + 7],
+                          pick(scores, ints[i + 8]), floats[f + 4]);
   }
   return {h, new_keys, new_values};
 }

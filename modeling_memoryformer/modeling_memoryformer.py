@@ -25,7 +25,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
-from .decode_layer import decode_layer_step, decode_stack_run, decode_stack_step, rotary_table_rows
+from .decode_layer import decode_layer_step, decode_stack_run, decode_stack_step, decode_step_mask, rotary_table_rows
 from .huge_pages import place_on_huge_pages
 from .memory_loss import uses_chunked_loss
 from .memory_ops import decode_attention_forward, few_rows_linear, linear_cross_entropy
@@ -35,7 +35,6 @@ from .transformers_compat import (
     CACHE_FIELD,
     CACHE_NAMES,
     cache_argument,
-    causal_mask,
     check_keywords,
     deprecated_cache_name,
     slice_logits_to_keep,
@@ -575,13 +574,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        mask = causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=past_key_values,
-            position_ids=position_ids,
-        )
+        mask = decode_step_mask(self, attention_mask, inputs_embeds, past_key_values, position_ids, stack_only)
         hidden_states = self.emb_dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         stacked = decode_stack_step(self, hidden_states, mask, position_embeddings, past_key_values, kwargs)

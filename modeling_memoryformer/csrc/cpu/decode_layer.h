@@ -295,8 +295,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
     const int64_t t = 12 * l, f = 5 * l, i = 9 * l;
     const at::Tensor tables_qkv = required(t + 2), tables1 = required(t + 6), tables2 = required(t + 10);
     const int64_t d1 = tables1.dim() == 2 ? tables1.size(1) : -1;
-    // cos and sin as decode_qkv takes them (it checks them; so does the lean layer, through decode_qkv's checks on
-    // the first layer that runs it, or here)
+    // The lean layer takes cos and sin only in the form decode_qkv accepts (else decode_qkv runs the layer and says
+    // what is wrong with them).
     const bool rotary_ok = cos.dim() == 3 && sin.sizes() == cos.sizes() && (cos.size(0) == N || cos.size(0) == 1) &&
                            cos.size(1) == 1 && cos.size(-1) % 2 == 0 && cos.size(-1) <= D && cos.size(-1) <= 512 &&
                            cos.scalar_type() == dtype && sin.scalar_type() == dtype;

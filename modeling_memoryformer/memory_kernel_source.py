@@ -2107,6 +2107,15 @@ void rotate_qk(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, in
   });
 }
 
+// Whether cos and sin are what decode_qkv rotates N rows of heads of width D by: [N or 1, 1, r] in `dtype`, r even,
+// r <= D and r <= 512.
+bool rotary_fits(const at::Tensor& cos, const at::Tensor& sin, int64_t N, int64_t D, at::ScalarType dtype) {
+  if (cos.dim() != 3) return false;
+  const int64_t r = cos.size(-1);
+  return sin.sizes() == cos.sizes() && (cos.size(0) == N || cos.size(0) == 1) && cos.size(1) == 1 && r % 2 == 0 &&
+         r <= D && r <= 512 && cos.scalar_type() == dtype && sin.scalar_type() == dtype;
+}
+
 // x [N, d] (one position of N sequences) -> [N, 3d] = the Q/K/V Memory Layer on norm(x), Q and K rotated by cos
 // and sin ([N or 1, 1, r], r <= head_dim, even) over `num_heads` heads each.
 at::Tensor decode_qkv_op(const at::Tensor& x, const at::Tensor& norm_weight, const std::optional<at::Tensor>& norm_bias,
@@ -2118,11 +2127,10 @@ at::Tensor decode_qkv_op(const at::Tensor& x, const at::Tensor& norm_weight, con
   const int64_t N = x.size(0), d = x.size(1);
   TORCH_CHECK(num_heads >= 1 && d % num_heads == 0, op, ": hidden size ", d, " is not a multiple of num_heads ",
               num_heads);
-  const int64_t D = d / num_heads, r = cos.size(-1);
-  TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes() && (cos.size(0) == N || cos.size(0) == 1) &&
-              cos.size(1) == 1 && r % 2 == 0 && r <= D && r <= 512 && cos.scalar_type() == x.scalar_type() &&
-              sin.scalar_type() == x.scalar_type(), op, ": cos and sin must be [", N, " or 1, 1, r] in x's dtype with "
-              "an even r <= head_dim ", D, ", got ", cos.sizes(), " ", cos.scalar_type(), " and ", sin.sizes());
+  const int64_t D = d / num_heads;
+  TORCH_CHECK(rotary_fits(cos, sin, N, D, x.scalar_type()), op, ": cos and sin must be [", N, " or 1, 1, r] in x's "
+              "dtype with an even r <= head_dim ", D, ", got ", cos.sizes(), " ", cos.scalar_type(), " and ",
+              sin.sizes());
   auto qkv = decode_memory_layer(decode_norm(x, norm_weight, norm_bias, eps, norm).contiguous(), tables, bias, tau,
                                  score, temperature);
   TORCH_CHECK(qkv.size(1) == 3 * d && qkv.is_contiguous(), op, ": the tables must have 3 * hidden = ", 3 * d,
@@ -2320,19 +2328,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
   new_values.reserve(L);
   at::Tensor h = x;
   const auto dtype = x.scalar_type();
+  // The lean layer takes cos and sin only in the form decode_qkv accepts (else decode_qkv runs each layer and says
+  // what is wrong with them).
   const bool lean_batch = N <= kSmallBatch && x.is_contiguous() &&
-                          (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
+                          (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                          rotary_fits(cos, sin, N, D, dtype);
   LeanScratch scratch;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t t = 12 * l, f = 5 * l, i = 9 * l;
     const at::Tensor tables_qkv = required(t + 2), tables1 = required(t + 6), tables2 = required(t + 10);
     const int64_t d1 = tables1.dim() == 2 ? tables1.size(1) : -1;
-    // The lean layer takes cos and sin only in the form decode_qkv accepts (else decode_qkv runs the layer and says
-    // what is wrong with them).
-    const bool rotary_ok = cos.dim() == 3 && sin.sizes() == cos.sizes() && (cos.size(0) == N || cos.size(0) == 1) &&
-                           cos.size(1) == 1 && cos.size(-1) % 2 == 0 && cos.size(-1) <= D && cos.size(-1) <= 512 &&
-                           cos.scalar_type() == dtype && sin.scalar_type() == dtype;
-    const bool lean = lean_batch && rotary_ok && d1 > 0 &&
+    const bool lean = lean_batch && d1 > 0 &&
                       lean_tables(tables_qkv, tensor(t + 3), d, 3 * d, ints[i + 1], floats[f + 1], dtype) &&
                       lean_tables(tables1, tensor(t + 7), d, d1, ints[i + 5], floats[f + 4], dtype) &&
                       lean_tables(tables2, tensor(t + 11), d1, d, ints[i + 7], floats[f + 4], dtype) &&

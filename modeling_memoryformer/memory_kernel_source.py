@@ -1925,7 +1925,57 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
 // A row whose keys are all masked out gives zeros, as scaled_dot_product_attention does. The sums over keys run in
 // key order, and a masked-out key adds an exact zero, so a longer, masked cache (a static cache) gives the same bits.
 
-// One (sequence, head): scores into s[T], then the weighted value sum into acc[D] (both float32 scratch).
+// kB keys' scores <qf, k_t> at once, each summed as dot_floats sums it (two partial sums of vectors, reduced, then the
+// ragged tail), so every key gets the bits it gets alone: kB independent chains of multiply-adds instead of one.
+constexpr int64_t kKeyBlock = 4;
+template <typename T>
+inline void dot_keys(const float* qf, const T* k, int64_t k_step, int64_t D, float* out) {
+  constexpr int64_t L = kLanes;
+  const T* k0 = k;
+  const T* k1 = k + k_step;
+  const T* k2 = k + 2 * k_step;
+  const T* k3 = k + 3 * k_step;
+  // Named sums, not an array: GCC keeps an array of vectors in memory (see RawVec).
+  RawVec a0 = raw_vec(fVec(0.0f)), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  int64_t j = 0;
+  for (; j + 2 * L <= D; j += 2 * L) {
+    const fVec q0 = fVec::loadu(qf + j), q1 = fVec::loadu(qf + j + L);
+    a0 = raw_vec(at::vec::fmadd(q0, load_floats(k0 + j), from_raw(a0)));
+    b0 = raw_vec(at::vec::fmadd(q1, load_floats(k0 + j + L), from_raw(b0)));
+    a1 = raw_vec(at::vec::fmadd(q0, load_floats(k1 + j), from_raw(a1)));
+    b1 = raw_vec(at::vec::fmadd(q1, load_floats(k1 + j + L), from_raw(b1)));
+    a2 = raw_vec(at::vec::fmadd(q0, load_floats(k2 + j), from_raw(a2)));
+    b2 = raw_vec(at::vec::fmadd(q1, load_floats(k2 + j + L), from_raw(b2)));
+    a3 = raw_vec(at::vec::fmadd(q0, load_floats(k3 + j), from_raw(a3)));
+    b3 = raw_vec(at::vec::fmadd(q1, load_floats(k3 + j + L), from_raw(b3)));
+  }
+  const RawVec d[kKeyBlock][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}};
+  for (int64_t b = 0; b < kKeyBlock; ++b) {
+    float dot = at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& y) { return x + y; },
+                                               from_raw(d[b][0]) + from_raw(d[b][1]));
+    for (int64_t i = j; i < D; ++i) dot += qf[i] * to_acc(k[b * k_step + i]);
+    out[b] = dot;
+  }
+}
+
+// acc[0, V * kLanes) = sum_t p[t] v_t (key order, zero weights skipped) in V vector registers; the same
+// multiply-adds, in the same order, as a sum held in memory.
+template <typename T, int V>
+void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* acc) {
+  RawVec a[V];
+  for (int i = 0; i < V; ++i) a[i] = raw_vec(fVec(0.0f));
+  for (int64_t t = 0; t < Tn; ++t) {
+    if (p[t] == 0.f) continue;
+    const T* vt = v + t * v_step;
+    const fVec pv(p[t]);
+    for (int i = 0; i < V; ++i) a[i] = raw_vec(at::vec::fmadd(pv, load_floats(vt + i * kLanes), from_raw(a[i])));
+  }
+  for (int i = 0; i < V; ++i) from_raw(a[i]).store(acc + i * kLanes);
+}
+
+// One (sequence, head): scores into s[T] (kKeyBlock keys at a time; a masked-out key's score is -inf whatever its
+// dot), their exponentials in place, then the weighted value sum into acc[D] (both float32 scratch): whole vectors
+// in registers for a head of up to 8 vectors, in memory beyond, the ragged columns last.
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
                           float scaling, const bool* keep, const float* add, float* qf, float* s, float* acc,
@@ -1933,32 +1983,57 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
   constexpr int64_t L = kLanes;
   const int64_t Dv = D - D % L;
   for (int64_t j = 0; j < D; ++j) qf[j] = float(q[j]);
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < Tn; ++t) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  float m = kMinusInf;
+  int64_t t = 0;
+  for (; t + kKeyBlock <= Tn; t += kKeyBlock) dot_keys(qf, k + t * k_step, k_step, D, s + t);
+  for (; t < Tn; ++t) s[t] = dot_floats(qf, k + t * k_step, D);
+  for (t = 0; t < Tn; ++t) {
     if (keep && !keep[t]) {
-      s[t] = -std::numeric_limits<float>::infinity();
+      s[t] = kMinusInf;
       continue;
     }
-    float score = dot_floats(qf, k + t * k_step, D) * scaling;
+    float score = s[t] * scaling;
     if (add) score += add[t];
     s[t] = score;
     m = std::max(m, score);
   }
-  for (int64_t j = 0; j < D; ++j) acc[j] = 0.f;
-  if (m == -std::numeric_limits<float>::infinity()) {  // every key masked out (or -inf scores): zeros
+  if (m == kMinusInf) {  // every key masked out (or -inf scores): zeros
     for (int64_t j = 0; j < D; ++j) out[j] = T(0.f);
     return;
   }
+  // The weights exp(s - m), kLanes at a time (ATen's vectorised exp: within an ulp of std::exp, and 0 for a masked
+  // key's -inf), their total in key order.
+  const fVec mv(m);
+  for (t = 0; t + L <= Tn; t += L) (fVec::loadu(s + t) - mv).exp().store(s + t);
+  if (t < Tn) (fVec::loadu(s + t, Tn - t) - mv).exp().store(s + t, Tn - t);
   float total = 0.f;
-  for (int64_t t = 0; t < Tn; ++t) {
-    const float p = std::exp(s[t] - m);
-    total += p;
-    if (p == 0.f) continue;   // an exact zero adds nothing: masked keys cost no value read
+  for (t = 0; t < Tn; ++t) total += s[t];   // an exact zero adds nothing: masked keys cost no value read
+  switch (Dv / L) {
+    case 0: break;
+    case 1: value_sum<T, 1>(v, v_step, s, Tn, acc); break;
+    case 2: value_sum<T, 2>(v, v_step, s, Tn, acc); break;
+    case 3: value_sum<T, 3>(v, v_step, s, Tn, acc); break;
+    case 4: value_sum<T, 4>(v, v_step, s, Tn, acc); break;
+    case 5: value_sum<T, 5>(v, v_step, s, Tn, acc); break;
+    case 6: value_sum<T, 6>(v, v_step, s, Tn, acc); break;
+    case 7: value_sum<T, 7>(v, v_step, s, Tn, acc); break;
+    case 8: value_sum<T, 8>(v, v_step, s, Tn, acc); break;
+    default:
+      for (int64_t j = 0; j < Dv; ++j) acc[j] = 0.f;
+      for (t = 0; t < Tn; ++t) {
+        if (s[t] == 0.f) continue;
+        const T* vt = v + t * v_step;
+        const fVec pv(s[t]);
+        for (int64_t j = 0; j < Dv; j += L) at::vec::fmadd(pv, load_floats(vt + j), fVec::loadu(acc + j)).store(acc + j);
+      }
+  }
+  for (int64_t j = Dv; j < D; ++j) acc[j] = 0.f;
+  for (t = 0; t < Tn && Dv < D; ++t) {
+    if (s[t] == 0.f) continue;
+    const float p = s[t];
     const T* vt = v + t * v_step;
-    const fVec pv(p);
-    int64_t j = 0;
-    for (; j < Dv; j += L) at::vec::fmadd(pv, load_floats(vt + j), fVec::loadu(acc + j)).store(acc + j);
-    for (; j < D; ++j) acc[j] += p * float(vt[j]);
+    for (int64_t j = Dv; j < D; ++j) acc[j] += p * float(vt[j]);
   }
   const float inv = 1.f / total;
   for (int64_t j = 0; j < D; ++j) out[j] = T(acc[j] * inv);

@@ -84,10 +84,13 @@ def test_views_of_a_qkv_output_and_a_longer_cache_buffer_are_read_in_place():
     torch.testing.assert_close(out.double(), oracle(q, k, v, None, 0.25), rtol=1e-6, atol=1e-6)
 
 
-def test_masked_keys_change_no_bit_so_a_static_cache_gives_the_dynamic_caches_values():
-    B, H, D, T = 2, 4, 32, 11
-    q, k, v = inputs(B, H, H, T, D, torch.bfloat16, seed=3)
-    pad = torch.randn(B, H, 21, D).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("D", [32, 37, 64])  # whole vectors, a ragged tail, the presets' head size
+def test_masked_keys_change_no_bit_so_a_static_cache_gives_the_dynamic_caches_values(D, dtype):
+    # T = 11 keys: the last 3 are scored one by one here, in a block of 4 in the longer cache: the same bits either way
+    B, H, T = 2, 4, 11
+    q, k, v = inputs(B, H, H, T, D, dtype, seed=3)
+    pad = torch.randn(B, H, 21, D).to(dtype)
     k_long, v_long = torch.cat([k, pad], 2), torch.cat([v, pad], 2)
     keep = torch.zeros(B, 1, 1, T + 21, dtype=torch.bool)
     keep[..., :T] = True

@@ -107,6 +107,23 @@ at::Tensor decode_qkv_op(const at::Tensor& x, const at::Tensor& norm_weight, con
   return qkv;
 }
 
+// The decoder layer's step after its attention, in the order the modules run it: h = x + attn, the post-attention
+// norm (of h, or of x with a parallel residual), Memory Layer 1, GELU where the block has it, the inner norm, Memory
+// Layer 2, then h + its output. `steps` supplies the residual adds, add(a, b, last) = a + b (`last`: the final add,
+// which may write into a), and the Memory Layers, layer(x, 1 or 2): decode_block's ATen ops, or the lean layer's
+// kernels and loops, which give the same values.
+template <typename Steps>
+at::Tensor block_step(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& norm_weight,
+                      const std::optional<at::Tensor>& norm_bias, double eps, c10::string_view norm,
+                      bool parallel_residual, bool gelu, const at::Tensor& inner_weight,
+                      const std::optional<at::Tensor>& inner_bias, double inner_eps, Steps& steps) {
+  const auto h = steps.add(x, attn, false);
+  auto y = steps.layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(), 1);
+  if (gelu) y = at::gelu(y);
+  y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
+  return steps.add(h, steps.layer(y, 2), true);
+}
+
 // x and attn [N, d] -> the decoder layer's output: h = x + attn, then h + MemoryBlock(norm(h)) (sequential residual)
 // or h + MemoryBlock(norm(x)) (parallel residual), the Memory Block being layer2(inner_norm(act(layer1(.)))) with act
 // GELU or none.
@@ -120,12 +137,20 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
   const char* op = "memoryformer.decode_block";
   TORCH_CHECK(x.dim() == 2 && attn.sizes() == x.sizes() && x.device().is_cpu(), op, ": x and attn must be CPU "
               "tensors of one shape [N, hidden], got ", x.sizes(), " and ", attn.sizes());
-  const auto h = x + attn;
-  auto y = decode_memory_layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(),
-                               tables1, bias1, tau1, score, temperature);
-  if (gelu) y = at::gelu(y);
-  y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
-  return h + decode_memory_layer(y, tables2, bias2, tau2, score, temperature);
+  struct Steps {   // ATen's add and the Memory Layer ops
+    const at::Tensor &t1, &t2;
+    const std::optional<at::Tensor>&b1, &b2;
+    int64_t tau1, tau2;
+    c10::string_view score;
+    double temperature;
+    at::Tensor add(const at::Tensor& a, const at::Tensor& b, bool) { return a + b; }
+    at::Tensor layer(const at::Tensor& in, int which) {
+      return which == 1 ? decode_memory_layer(in, t1, b1, tau1, score, temperature)
+                        : decode_memory_layer(in, t2, b2, tau2, score, temperature);
+    }
+  } steps{tables1, tables2, bias1, bias2, tau1, tau2, score, temperature};
+  return block_step(x, attn, norm_weight, norm_bias, eps, norm, parallel_residual, gelu, inner_weight, inner_bias,
+                    inner_eps, steps);
 }
 
 // ------------------------------------------------------------------------------------------------ lean stack layer
@@ -187,7 +212,8 @@ void lean_add(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   });
 }
 
-// decode_block's value for x and attn [N, d] (contiguous), its Memory Layers run lean.
+// decode_block's value for x and attn [N, d] (contiguous): block_step with the lean Memory Layers (into the scratch
+// outputs) and adds (the last one in place).
 at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& norm_weight,
                       const std::optional<at::Tensor>& norm_bias, double eps, c10::string_view norm,
                       bool parallel_residual, const at::Tensor& tables1, const std::optional<at::Tensor>& bias1,
@@ -195,20 +221,32 @@ at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Ten
                       const std::optional<at::Tensor>& inner_bias, double inner_eps, const at::Tensor& tables2,
                       const std::optional<at::Tensor>& bias2, int64_t tau2, bool l1, double temperature,
                       LeanScratch& s) {
-  auto h = at::empty_like(x, at::MemoryFormat::Contiguous);
-  lean_add(x, attn, h);
   const int64_t N = x.size(0);
   if (!s.y1.defined() || s.y1.size(0) != N || s.y1.size(1) != tables1.size(1))
     s.y1 = at::empty({N, tables1.size(1)}, x.options());
   if (!s.y2.defined() || s.y2.size(0) != N || s.y2.size(1) != tables2.size(1))
     s.y2 = at::empty({N, tables2.size(1)}, x.options());
-  lean_memory_layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(), tables1,
-                    bias1, tau1, l1, temperature, s.y1, s);
-  auto y = gelu ? at::gelu(s.y1) : s.y1;
-  y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
-  lean_memory_layer(y, tables2, bias2, tau2, l1, temperature, s.y2, s);
-  lean_add(h, s.y2, h);
-  return h;
+  struct Steps {
+    const at::Tensor &t1, &t2;
+    const std::optional<at::Tensor>&b1, &b2;
+    int64_t tau1, tau2;
+    bool l1;
+    double temperature;
+    LeanScratch& s;
+    at::Tensor add(const at::Tensor& a, const at::Tensor& b, bool last) {
+      at::Tensor out = last ? a : at::empty_like(a, at::MemoryFormat::Contiguous);
+      lean_add(a, b, out);
+      return out;
+    }
+    at::Tensor layer(const at::Tensor& in, int which) {
+      at::Tensor& out = which == 1 ? s.y1 : s.y2;
+      lean_memory_layer(in, which == 1 ? t1 : t2, which == 1 ? b1 : b2, which == 1 ? tau1 : tau2, l1, temperature,
+                        out, s);
+      return out;
+    }
+  } steps{tables1, tables2, bias1, bias2, tau1, tau2, l1, temperature, s};
+  return block_step(x, attn, norm_weight, norm_bias, eps, norm, parallel_residual, gelu, inner_weight, inner_bias,
+                    inner_eps, steps);
 }
 
 // A layer's keys or values [N, H, T, D] grown by one position `part` ([N, H, 1, D], any strides), with the values

@@ -20,6 +20,7 @@ from modeling_memoryformer.evaluation.cpu_load import (  # re-exported: the benc
     NOISY_CORES,
     STREAM_PROBE_MB,  # noqa: F401
     cpu_snapshot,
+    memory_read_gbps,  # noqa: F401
     memory_stream_gbps,  # noqa: F401
     other_cores_since,  # noqa: F401
     other_cpu_since,

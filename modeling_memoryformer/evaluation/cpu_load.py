@@ -78,6 +78,25 @@ def memory_stream_gbps(repeats: int = 3) -> float:
     return round(buffer.numel() * buffer.element_size() / best / 1e9, 2)
 
 
+def memory_read_gbps(repeats: int = 3) -> float:
+    """GB/s of `torch.dot` of the two halves of the STREAM_PROBE_MB buffer (all threads), the best of `repeats`: a
+    plain streaming read of every byte once. `torch.sum`'s cascade sum reads the same buffer at 70-85% of it on the
+    2-vCPU AMD EPYC Zen 1 of docs/performance.md (15-16.5 against 18.6-21 GB/s, where a hand-written AVX2 read loop
+    reached 19-23.5), so a decode step's share of the read bound (benchmarks/decode_bench.py) takes the better of the
+    two probes."""
+    import torch
+
+    buffer = stream_buffer()
+    half = buffer.numel() // 2
+    first, second = buffer[:half], buffer[half:2 * half]
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        torch.dot(first, second)
+        best = min(best, time.perf_counter() - start)
+    return round(2 * half * buffer.element_size() / best / 1e9, 2)
+
+
 
 class LoadMeter:
     """Other processes' CPU over one phase of a longer run (the demo's training, its evaluations, its speed rows):

@@ -110,3 +110,25 @@ def test_the_bf16_twin_runs_its_linears_on_the_few_row_pass_with_f_linear_values
     assert calls == 1 + 4 * config.num_hidden_layers  # the head, and each layer's QKV, dense, h_to_4h and 4h_to_h
     with torch.inference_mode():
         torch.testing.assert_close(logits, plain(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_the_read_bound_is_the_best_probe_and_the_dot_probe_reads_the_whole_buffer(monkeypatch):
+    from modeling_memoryformer.evaluation import cpu_load
+
+    assert decode_bench.read_bound([15.0, 16.5], [18.6, 21.0]) == 21.0
+    assert decode_bench.read_bound([22.0], [18.0]) == 22.0
+    # The dot probe times one torch.dot of the buffer's two halves and counts every byte of the buffer once.
+    calls = []
+    real_dot = torch.dot
+
+    def dot(a, b):
+        calls.append((a.numel(), b.numel(), a.data_ptr(), b.data_ptr()))
+        return real_dot(a, b)
+
+    monkeypatch.setattr(torch, "dot", dot)
+    monkeypatch.setattr(cpu_load, "stream_buffer", lambda: torch.ones(1 << 20))
+    ticks = iter([0.0, 0.004, 1.0, 1.001])  # the best of 2 repeats: 4 MB in 1 ms
+    monkeypatch.setattr(cpu_load.time, "perf_counter", lambda: next(ticks))
+    assert cpu_load.memory_read_gbps(repeats=2) == 4.19  # 4 MiB / 1 ms
+    (n1, n2, p1, p2), _ = calls
+    assert n1 == n2 == 1 << 19 and p2 - p1 == 4 << 19  # the halves, end to end

@@ -15,9 +15,10 @@
 
 // kB keys' scores <qf, k_t> at once, each summed as dot_floats sums it (two partial sums of vectors, reduced, then the
 // ragged tail), so every key gets the bits it gets alone: kB independent chains of multiply-adds instead of one.
-constexpr int64_t kKeyBlock = 4;
+constexpr int64_t kKeyBlock = 4;   // dot_keys and decode_attention_row's masked-block test are written for 4
 template <typename T>
 inline void dot_keys(const float* qf, const T* k, int64_t k_step, int64_t D, float* out) {
+  static_assert(kKeyBlock == 4, "dot_keys sums 4 keys");
   constexpr int64_t L = kLanes;
   const T* k0 = k;
   const T* k1 = k + k_step;
@@ -61,8 +62,8 @@ void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* ac
   for (int i = 0; i < V; ++i) from_raw(a[i]).store(acc + i * kLanes);
 }
 
-// One (sequence, head): scores into s[T] (kKeyBlock keys at a time; a masked-out key's score is -inf whatever its
-// dot), their exponentials in place, then the weighted value sum into acc[D] (both float32 scratch): whole vectors
+// One (sequence, head): scores into s[T] (kKeyBlock keys at a time, a block whose keys are all masked out skipped; a
+// masked-out key's score is -inf), their exponentials in place, then the weighted value sum into acc[D] (both float32 scratch): whole vectors
 // in registers for a head of up to 8 vectors, in memory beyond, the ragged columns last.
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
@@ -74,8 +75,12 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   float m = kMinusInf;
   int64_t t = 0;
-  for (; t + kKeyBlock <= Tn; t += kKeyBlock) dot_keys(qf, k + t * k_step, k_step, D, s + t);
-  for (; t < Tn; ++t) s[t] = dot_floats(qf, k + t * k_step, D);
+  for (; t + kKeyBlock <= Tn; t += kKeyBlock) {   // a block of masked-out keys (a static cache's unused end) costs no read
+    if (keep && !(keep[t] || keep[t + 1] || keep[t + 2] || keep[t + 3])) continue;
+    dot_keys(qf, k + t * k_step, k_step, D, s + t);
+  }
+  for (; t < Tn; ++t)
+    if (!keep || keep[t]) s[t] = dot_floats(qf, k + t * k_step, D);
   for (t = 0; t < Tn; ++t) {
     if (keep && !keep[t]) {
       s[t] = kMinusInf;

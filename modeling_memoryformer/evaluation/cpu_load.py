@@ -67,15 +67,20 @@ def stream_buffer():  # -> torch.Tensor; `stream_buffer.cache_clear()` gives its
     return torch.ones(STREAM_PROBE_MB * (1 << 20) // 4, dtype=torch.float32)
 
 
-def memory_stream_gbps(repeats: int = 3) -> float:
-    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`."""
-    buffer = stream_buffer()
+def _best_gbps(read, nbytes: int, repeats: int) -> float:
+    """GB/s of `read()` over `nbytes`, the best of `repeats` timed calls."""
     best = math.inf
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
-        buffer.sum()
+        read()
         best = min(best, time.perf_counter() - start)
-    return round(buffer.numel() * buffer.element_size() / best / 1e9, 2)
+    return round(nbytes / best / 1e9, 2)
+
+
+def memory_stream_gbps(repeats: int = 3) -> float:
+    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`."""
+    buffer = stream_buffer()
+    return _best_gbps(buffer.sum, buffer.numel() * buffer.element_size(), repeats)
 
 
 def memory_read_gbps(repeats: int = 3) -> float:
@@ -89,12 +94,7 @@ def memory_read_gbps(repeats: int = 3) -> float:
     buffer = stream_buffer()
     half = buffer.numel() // 2
     first, second = buffer[:half], buffer[half:2 * half]
-    best = math.inf
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        torch.dot(first, second)
-        best = min(best, time.perf_counter() - start)
-    return round(2 * half * buffer.element_size() / best / 1e9, 2)
+    return _best_gbps(lambda: torch.dot(first, second), 2 * half * buffer.element_size(), repeats)
 
 
 

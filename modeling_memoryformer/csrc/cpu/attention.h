@@ -63,8 +63,8 @@ void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* ac
 }
 
 // One (sequence, head): scores into s[T] (kKeyBlock keys at a time, a block whose keys are all masked out skipped; a
-// masked-out key's score is -inf), their exponentials in place, then the weighted value sum into acc[D] (both float32 scratch): whole vectors
-// in registers for a head of up to 8 vectors, in memory beyond, the ragged columns last.
+// masked-out key's score is -inf), their exponentials in place, then the weighted value sum into acc[D] (both float32
+// scratch): whole vectors in registers for a head of up to 8 vectors, in memory beyond, the ragged columns last.
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
                           float scaling, const bool* keep, const float* add, float* qf, float* s, float* acc,
@@ -75,7 +75,8 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   float m = kMinusInf;
   int64_t t = 0;
-  for (; t + kKeyBlock <= Tn; t += kKeyBlock) {   // a block of masked-out keys (a static cache's unused end) costs no read
+  // A block of masked-out keys (a static cache's unused end) costs no read.
+  for (; t + kKeyBlock <= Tn; t += kKeyBlock) {
     if (keep && !(keep[t] || keep[t + 1] || keep[t + 2] || keep[t + 3])) continue;
     dot_keys(qf, k + t * k_step, k_step, D, s + t);
   }
@@ -118,7 +119,8 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
         if (s[t] == 0.f) continue;
         const T* vt = v + t * v_step;
         const fVec pv(s[t]);
-        for (int64_t j = 0; j < Dv; j += L) at::vec::fmadd(pv, load_floats(vt + j), fVec::loadu(acc + j)).store(acc + j);
+        for (int64_t j = 0; j < Dv; j += L)
+          at::vec::fmadd(pv, load_floats(vt + j), fVec::loadu(acc + j)).store(acc + j);
       }
   }
   for (int64_t j = Dv; j < D; ++j) acc[j] = 0.f;

@@ -2046,6 +2046,13 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
   for (int64_t j = 0; j < D; ++j) out[j] = T(acc[j] * inv);
 }
 
+// Heads are split over the threads from this many multiply-adds (scores and value sums) on, far below the kernel's
+// kSerialWork: a head costs about 0.45 ns per multiply-add in bfloat16 (the conversions, the exp), so one decode step
+// of MF-small (12 heads x 64 dims over 50 keys, 77 K multiply-adds) took 33-44 us on one thread and 24-26 us on two
+// of the 2-vCPU Zen 1 of docs/performance.md, in the stack of a generate call (the threads are awake there). Each
+// head is summed by one thread in its own order either way: the same bits.
+constexpr int64_t kAttentionSerialWork = 1 << 14;
+
 // q [B, H, 1, D], k and v [B, Hkv, T, D] (any strides with a contiguous last dimension: the views a KV cache and a
 // fused Q/K/V output give), mask None, bool (true: attend) or additive float, broadcastable to [B, H, 1, T];
 // float32, bfloat16 or float16, all one dtype. Returns [B, 1, H, D] contiguous in that dtype (the layout transformers'
@@ -2103,7 +2110,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
                                 scratch.data(), scratch.data() + D + D, scratch.data() + D, op_ + (b * H + h) * D);
       }
     };
-    if (threads_for(B * H * Tn * D * 2) == 1 || B * H == 1) body(0, B * H);
+    if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);
     else at::parallel_for(0, B * H, 1, body);
   };
   if (dtype == at::kFloat) run(static_cast<float*>(nullptr));

@@ -97,6 +97,25 @@ def test_masked_keys_change_no_bit_so_a_static_cache_gives_the_dynamic_caches_va
     assert torch.equal(fused(q, k_long, v_long, keep, 0.1), fused(q, k, v, None, 0.1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_heads_split_over_threads_give_the_one_thread_bits(dtype):
+    # 12 heads x 64 over 50 keys (MF-small's decode step) is past the op's threading threshold: two threads take six
+    # heads each; every head is summed by one thread in key order either way
+    q, k, v = inputs(1, 12, 12, 50, 64, dtype, seed=4)
+    keep = torch.rand(1, 1, 1, 50, generator=torch.Generator().manual_seed(5)) > 0.2
+    keep[..., -1] = True
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused(q, k, v, keep, 0.125)
+        torch.set_num_threads(2)
+        two = fused(q, k, v, keep, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert (two.double() - oracle(q, k, v, keep, 0.125)).abs().max() <= TOLERANCE[dtype] * v.double().abs().amax() * 2
+
+
 def test_a_row_with_every_key_masked_out_gives_zeros_as_sdpa():
     q, k, v = inputs(2, 2, 2, 5, 8, torch.float32, seed=4)
     keep = torch.ones(2, 1, 1, 5, dtype=torch.bool)

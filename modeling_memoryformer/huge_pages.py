@@ -21,6 +21,7 @@ Measured on the 2-vCPU Zen 3 guest of docs/performance.md: cold-row lookups of M
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import sys
@@ -58,32 +59,39 @@ def is_placed(tensor: torch.Tensor) -> bool:
     return any(start <= ptr < end for start, end in _placed.items())
 
 
-def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of `tensor` in memory advised for huge pages (2 MB-aligned, faulted in before the copy).
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of zeros in memory advised for huge pages (2 MB-aligned, faulted in by the kernel).
 
     The memory is a private anonymous mapping owned by the returned tensor: it is unmapped when the tensor and every
     view of it are gone. A normal tensor to its users (autograd, saving, `.to`)."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"huge_page_copy: the tensor must be on the CPU, got {tensor.device} (move it first)")
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:   # refused (a sandbox's filter, a kernel without THP): still a valid copy, on 4 KB pages
+    except OSError:   # refused (a sandbox's filter, a kernel without THP): still valid memory, on 4 KB pages
         pass
     with torch.inference_mode(False), torch.no_grad():
         base = torch.frombuffer(mapping, dtype=torch.uint8)
         offset = (-base.data_ptr()) % HUGE_PAGE   # the tensor starts on a huge page; the slack is never touched
-        try:   # the kernel faults the huge pages in: 5x faster than the copy's first touches
+        try:   # the kernel faults the huge pages in: 5x faster than the first touches of a copy
             whole = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
             mapping.madvise(_MADV_POPULATE_WRITE, offset, min(whole, len(mapping) - offset))
         except (OSError, ValueError):
             pass
-        out = base[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        out.copy_(tensor)
+        out = base[offset:offset + nbytes].view(dtype).view(shape)
     start = base.data_ptr()
     _placed[start] = start + len(mapping)
     weakref.finalize(mapping, _placed.pop, start, None)   # the storage holds the mapping until its last view goes
+    return out
+
+
+def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of `tensor` in memory advised for huge pages (`huge_page_empty`)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"huge_page_copy: the tensor must be on the CPU, got {tensor.device} (move it first)")
+    out = huge_page_empty(tuple(tensor.shape), tensor.dtype)
+    with torch.inference_mode(False), torch.no_grad():
+        out.copy_(tensor)
     return out
 
 

@@ -56,6 +56,32 @@ def test_copy_holds_the_same_bits_on_aligned_memory_freed_with_its_last_view(dty
     assert not any(start <= ptr < end for start, end in huge_pages._placed.items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_empty_gives_zeros_of_the_shape_on_aligned_placed_memory(dtype):
+    out = huge_pages.huge_page_empty((5, 300_001), dtype)
+    assert out.shape == (5, 300_001) and out.dtype == dtype and out.is_contiguous()
+    assert out.data_ptr() % huge_pages.HUGE_PAGE == 0 and huge_pages.is_placed(out)
+    assert not out.any()
+
+
+def test_the_memory_probe_reads_a_buffer_placed_as_model_weights_are(monkeypatch):
+    # decode_bench's read bound: on huge pages exactly where from_pretrained puts the weights there
+    from modeling_memoryformer.evaluation import cpu_load
+
+    monkeypatch.setattr(cpu_load, "STREAM_PROBE_MB", 4)
+    cpu_load.stream_buffer.cache_clear()
+    try:
+        buffer = cpu_load.stream_buffer()
+        assert buffer.shape == (1 << 20,) and buffer.dtype == torch.float32 and bool((buffer == 1).all())
+        assert huge_pages.is_placed(buffer) == huge_pages.enabled()
+        cpu_load.stream_buffer.cache_clear()
+        monkeypatch.setenv("MEMORYFORMER_HUGE_PAGES", "0")
+        plain = cpu_load.stream_buffer()
+        assert not huge_pages.is_placed(plain) and bool((plain == 1).all())
+    finally:
+        cpu_load.stream_buffer.cache_clear()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or huge_pages.thp_mode() != "madvise",
                     reason="the kernel gives advised memory huge pages only in transparent huge page 'madvise' mode")
 def test_copy_is_backed_by_huge_pages():

@@ -43,10 +43,10 @@ inline float add_codes4(float a, float s0, float s1, float s2, float s3, uint8_t
 
 constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (one load and store of them per 4 rows)
 
-// Token-major, as lookup_kernel: per token and span of kCols columns, the sums start from bias + the token's offset
-// and add w_k * float(q_k) over its K rows, the rows' next spans prefetched K lookups ahead, the units split over the
-// threads as for_token_units says. A whole span's sums are vector registers, one row at a time, the codes widened in
-// registers (load_floats: a zero-extension and a conversion per vector); a ragged last span is a plain loop over
+// Token-major, as lookup_kernel: per token and column, the sums start from bias + the token's offset and add
+// w_k * float(q_k) over its K rows in table order, the units split over the threads as for_token_units says. The
+// whole spans take lookup_kernel's row-block order (add_rows_blocked: vector sums, the codes widened in registers by
+// load_floats, a zero-extension and a conversion per vector); a ragged last span is a plain loop over
 // kInt8Rows rows per pass that the compiler vectorises, with the same bits. FBGEMM's JIT kernel takes fewer
 // instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
 // dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
@@ -56,10 +56,10 @@ void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* 
   const int64_t W = D + kInt8RowBytes;
   for_token_units(rows, N, K, D, 1, [=](int64_t n, int64_t cb, int64_t ce, const int64_t* rnext) {
     const int64_t* rn = rows + n * K;
-    // As lookup_kernel: every row's first span asked for at once, with the row's scale and offset (the line past its
-    // codes), then each row's next span while this one is summed (K lookups ahead): K rows of reads in flight instead
-    // of kAhead. The scales and offsets were a pass of their own before the units, on one thread: a wait on K cold
-    // lines before the codes were asked for.
+    // Every row's scale and offset (the line past its codes), which int8_token_weights reads before any code is
+    // summed, and its first span asked for at once: K rows of reads in flight. The scales and offsets were a pass of
+    // their own before the units, on one thread: a wait on K cold lines before the codes were asked for. A ragged last
+    // span prefetches each row's next span K lookups ahead (span_ahead).
     const auto prefetch = [=](int64_t k, int64_t c0) {
       int64_t pw = 0;
       if (const uint8_t* p = span_ahead(packed, W, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
@@ -72,16 +72,21 @@ void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* 
     if (static_cast<int64_t>(token_weights.size()) < K) token_weights.resize(K);
     float* wn = token_weights.data();
     const float off = int8_token_weights(rn, scores + n * K, packed, K, D, wn);
-    for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
+    // Whole spans: the bf16 pass's row-block order (add_rows_blocked), the sums from off + bias, row by row in table
+    // order (the ragged loop's bits).
+    int64_t c0 = cb;
+    const int64_t whole = cb + (ce - cb) / kCols * kCols;
+    if (whole > cb) {
+      float* sums = blocked_sums(whole - cb);
+      for (int64_t j = 0; j < whole - cb; j += kLanes)
+        (fVec(off) + (bias ? fVec::loadu(bias + cb + j) : fVec(0.f))).store(sums + j);
+      add_rows_blocked(sums, packed, W, rn, whole == ce ? rnext : nullptr, wn, K, cb, whole);
+      std::memcpy(out + n * D + cb, sums, (whole - cb) * sizeof(float));
+      c0 = whole;
+    }
+    for (; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
-      if (w == kCols) {   // a whole span: the sums in vector registers, row by row (the ragged loop's bits)
-        constexpr int64_t V = kCols / kLanes;
-        fVec acc[V];
-        for (int64_t i = 0; i < V; ++i) acc[i] = fVec(off) + (bias ? fVec::loadu(bias + c0 + i * kLanes) : fVec(0.f));
-        add_rows_span(acc, packed, W, rn, rnext, wn, K, c0, cb, ce);
-        for (int64_t i = 0; i < V; ++i) acc[i].store(out + n * D + c0 + i * kLanes);
-        continue;
-      }
+
       float acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
       int64_t k = 0;

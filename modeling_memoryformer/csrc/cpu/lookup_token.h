@@ -5,7 +5,7 @@
 // ------------------------------------------------------------------------------------------------ token-major lookup
 // Token-major gather-accumulate: for each token, its K rows' spans of kCols output columns summed in vector registers
 // in table order, the rows read kBlockRows at a time along their columns while the spans ahead are prefetched
-// (sum_rows_blocked), so the random row reads overlap instead of waiting on the cache one after another.
+// (add_rows_blocked), so the random row reads overlap instead of waiting on the cache one after another.
 //
 // The work is split over (token, column range) units: with fewer tokens than threads (a decode step has one token
 // per sequence) the columns are split too, so that every thread reads rows. A decode step is latency-bound: its few
@@ -51,47 +51,31 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
   return nullptr;
 }
 
-// The row loop of a whole span, shared with the int8 pass (T = uint8_t codes, stride D + 8, s the weights
-// s_k scale_k): acc[i] += s[k] * row_k[c0 + i * kLanes, ...) for k in table order, each row's next span prefetched
-// K lookups ahead (span_ahead). stride: values per table row.
-template <typename T>
-inline void add_rows_span(fVec* acc, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
-                          const float* s, int64_t K, int64_t c0, int64_t cb, int64_t ce) {
-  for (int64_t k = 0; k < K; ++k) {
-    int64_t pw = 0;
-    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, pw, K)) prefetch_span(p, pw);
-    const T* t = tables + rn[k] * stride + c0;
-    const fVec sk(s[k]);
-    for (int64_t i = 0; i < kCols / kLanes; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
-  }
-}
-
-// The row-block order of a unit's whole spans [cb, ce) (a multiple of kCols wide): the rows in blocks of
-// kBlockRows, and for each block the spans in column order, each span's sums read from and written back to an L1
-// buffer of float sums (`sums`, ce - cb floats) around the block's rows. Every column still sums bias (or 0) and then
-// row 0, 1, ..., K - 1 in table order, acc + s_k * row_k, the expression of add_rows_span and of the scalar loop for a
-// ragged span, which the compiler contracts the same way (fused multiply-adds where the target has them): a column
-// has the same bits in any of them (tests/kernel/test_fused_paths.py). Vector code because the compiler's
-// vectorisation of the scalar loop ran 1.5x the instructions per row and, cold, about a third more time per call
-// (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md). The reads run along
+// sums[0, ce - cb) += s_k * row_k[cb, ce) for k in table order, over a unit's whole spans [cb, ce) (a multiple of kCols
+// wide), in the row-block order: the rows in blocks of kBlockRows, and for each block the spans in column order, each
+// span's sums read from and written back to `sums` (an L1 buffer of floats, which the caller starts at the bias, or 0)
+// around the block's rows. Shared with the int8 pass (T = uint8_t codes, stride D + 8, s the weights s_k scale_k);
+// stride: values per table row. Every column adds row 0, 1, ..., K - 1 in table order, acc + s_k * row_k, the
+// expression of the scalar loop for a ragged span, which the compiler contracts the same way (fused multiply-adds where
+// the target has them): a column has the same bits in any of them (tests/kernel/test_fused_paths.py). Vector code
+// because the compiler's vectorisation of the scalar loop ran 1.5x the instructions per row and, cold, about a third
+// more time per call (MF-base Q/K/V shape on the Zen 3 of docs/performance.md, docs/kernel.md). The reads run along
 // kBlockRows rows at a time, each row's spans in address order with its span kBlockAhead spans on prefetched (at the
 // block's end, the next block's rows', then the next token's), which the hardware prefetchers follow, where the
-// span-major order before it summed one span of all K rows at a time, each row's next span prefetched K lookups
-// ahead. In a standalone copy on the 2-vCPU Zen 1 of docs/performance.md (2 threads, cold bfloat16 tables on huge
-// pages), against the span-major order: MF-base's Q/K/V shape 66-68 -> 52-53 us, its Memory Block's 35 -> 28-32 and
-// 30-35 -> 26-33 us, MF-small's Q/K/V 42-43 -> 31-37 us; blocks of 4-12 rows and 4-16 spans ahead measured, 8 and 4
-// the best or within 5% of it on every shape.
+// span-major order before it summed one span of all K rows at a time, each row's next span prefetched K lookups ahead.
+// In a standalone copy on the 2-vCPU Zen 1 of docs/performance.md (2 threads, cold bfloat16 tables on huge pages),
+// against the span-major order: MF-base's Q/K/V shape 66-68 -> 52-53 us, its Memory Block's 35 -> 28-32 and 30-35 ->
+// 26-33 us, MF-small's Q/K/V 42-43 -> 31-37 us; blocks of 4-12 rows and 4-16 spans ahead measured, 8 and 4 the best or
+// within 5% of it on every shape.
 constexpr int64_t kBlockRows = 8, kBlockAhead = 4;
 
 template <typename T>
-inline void sum_rows_blocked(const T* tables, int64_t D, const int64_t* rn, const int64_t* rnext, const float* sn,
-                             int64_t K, int64_t cb, int64_t ce, const T* bias, T* out, float* sums) {
+inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
+                             const float* s, int64_t K, int64_t cb, int64_t ce) {
   constexpr int64_t V = kCols / kLanes;
-  const int64_t W = ce - cb;
-  for (int64_t j = 0; j < W; j += kLanes) (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
   for (int64_t k = 0; k < std::min(K, kBlockRows); ++k)
     for (int64_t a = 0; a < kBlockAhead && cb + a * kCols < ce; ++a)
-      prefetch_span(tables + rn[k] * D + cb + a * kCols, kCols);
+      prefetch_span(tables + rn[k] * stride + cb + a * kCols, kCols);
   for (int64_t kb = 0; kb < K; kb += kBlockRows) {
     const int64_t ke = std::min(K, kb + kBlockRows);
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
@@ -100,26 +84,28 @@ inline void sum_rows_blocked(const T* tables, int64_t D, const int64_t* rn, cons
       const int64_t ahead = c0 + kBlockAhead * kCols;
       for (int64_t k = kb; k < ke; ++k) {
         if (ahead < ce) {
-          prefetch_span(tables + rn[k] * D + ahead, kCols);
+          prefetch_span(tables + rn[k] * stride + ahead, kCols);
         } else {   // the same row of the next block (or of the next token's first block), from its first span
           const int64_t next = k - kb + ke, at = cb + (ahead - ce);
           if (at < ce) {
-            if (next < K) prefetch_span(tables + rn[next] * D + at, kCols);
-            else if (rnext != nullptr && next - K < K) prefetch_span(tables + rnext[next - K] * D + at, kCols);
+            if (next < K) prefetch_span(tables + rn[next] * stride + at, kCols);
+            else if (rnext != nullptr && next - K < K) prefetch_span(tables + rnext[next - K] * stride + at, kCols);
           }
         }
-        const T* t = tables + rn[k] * D + c0;
-        const fVec sk(sn[k]);
+        const T* t = tables + rn[k] * stride + c0;
+        const fVec sk(s[k]);
         for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
       }
       for (int64_t i = 0; i < V; ++i) acc[i].store(sums + (c0 - cb) + i * kLanes);
     }
   }
-  if constexpr (std::is_same<T, float>::value) {
-    std::memcpy(out + cb, sums, W * sizeof(float));
-  } else {
-    for (int64_t j = 0; j < W; ++j) out[cb + j] = static_cast<T>(sums[j]);
-  }
+}
+
+// A thread's buffer of at least n float sums for add_rows_blocked (grown to the widest unit seen, then reused).
+inline float* blocked_sums(int64_t n) {
+  static thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(sums.size()) < n) sums.resize(n);
+  return sums.data();
 }
 
 template <typename T>
@@ -130,13 +116,15 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     const int64_t* rn = rows + n * K;
     const A* sn = scores + n * K;
     int64_t c0 = cb;
-    if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order (sum_rows_blocked)
+    if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order (add_rows_blocked)
       const int64_t whole = cb + (ce - cb) / kCols * kCols;
       if (whole > cb) {
-        thread_local std::vector<float> sums;
-        if (static_cast<int64_t>(sums.size()) < whole - cb) sums.resize(whole - cb);
-        sum_rows_blocked(tables, D, rn, whole == ce ? rnext : nullptr, sn, K, cb, whole, bias, out + n * D,
-                         sums.data());
+        float* sums = blocked_sums(whole - cb);
+        for (int64_t j = 0; j < whole - cb; j += kLanes)
+          (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
+        add_rows_blocked(sums, tables, D, rn, whole == ce ? rnext : nullptr, sn, K, cb, whole);
+        T* o = out + n * D + cb;   // accumulated in float32, stored in the tables' dtype
+        for (int64_t j = 0; j < whole - cb; ++j) o[j] = static_cast<T>(sums[j]);
         c0 = whole;
       }
     }

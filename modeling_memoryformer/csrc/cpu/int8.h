@@ -86,7 +86,6 @@ void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* 
     }
     for (; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
-
       float acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);
       int64_t k = 0;

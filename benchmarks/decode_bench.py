@@ -10,10 +10,11 @@ few-row pass reads it once for up to 4 sequences), every other weight matrix who
 embedding row per sequence, and the KV cache each sequence attends over (its mean length over the timed steps).
 Efficiency = bytes per step x steps per second / the read bound: the best of two probes over a 128 MB buffer far
 beyond the caches, on transparent huge pages as both models' weights are (`cpu_load.stream_buffer`), all threads,
-measured in the same worker before and after the timing: `torch.sum` and `torch.dot` of the buffer's halves (a
-plain streaming read; the sum's cascade reads 70-85% as fast on a Zen 1), so the fraction of the machine's memory
-speed the step reaches. Results before 2026-11-28 probed 4 KB pages, which read up to a quarter slower there. 1.0 is the bound; a latency-bound gather of scattered
-rows cannot quite reach it. Results written before the dot probe (no "read_gbps") give the sum's.
+measured in the same worker before and after the timing: `torch.sum` and `torch.dot` of the buffer's halves (a plain
+streaming read; the sum's cascade reads 70-85% as fast on a Zen 1), so the fraction of the machine's memory speed
+the step reaches. Results before 2026-11-28 probed 4 KB pages, which read up to a quarter slower there. 1.0 is the
+bound; a latency-bound gather of scattered rows cannot quite reach it. Results written before the dot probe (no
+"read_gbps") give the sum's.
 
 The step time is read inside one `generate` call: a logits processor records the time of every step, and the median
 interval between consecutive steps after the first (which follows the prefill) is the step time. So the prefill

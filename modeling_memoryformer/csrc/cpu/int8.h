@@ -72,19 +72,13 @@ void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* 
     if (static_cast<int64_t>(token_weights.size()) < K) token_weights.resize(K);
     float* wn = token_weights.data();
     const float off = int8_token_weights(rn, scores + n * K, packed, K, D, wn);
-    // Whole spans: the bf16 pass's row-block order (add_rows_blocked), the sums from off + bias, row by row in table
+    // Whole spans: the bf16 pass's row-block order (sum_whole_spans), the sums from off + bias, row by row in table
     // order (the ragged loop's bits).
-    int64_t c0 = cb;
-    const int64_t whole = cb + (ce - cb) / kCols * kCols;
-    if (whole > cb) {
-      float* sums = blocked_sums(whole - cb);
-      for (int64_t j = 0; j < whole - cb; j += kLanes)
+    const int64_t ragged = sum_whole_spans(packed, W, rn, rnext, wn, K, cb, ce, [&](float* sums, int64_t w) {
+      for (int64_t j = 0; j < w; j += kLanes)
         (fVec(off) + (bias ? fVec::loadu(bias + cb + j) : fVec(0.f))).store(sums + j);
-      add_rows_blocked(sums, packed, W, rn, whole == ce ? rnext : nullptr, wn, K, cb, whole);
-      std::memcpy(out + n * D + cb, sums, (whole - cb) * sizeof(float));
-      c0 = whole;
-    }
-    for (; c0 < ce; c0 += kCols) {
+    }, [&](const float* sums, int64_t w) { std::memcpy(out + n * D + cb, sums, w * sizeof(float)); });
+    for (int64_t c0 = ragged; c0 < ce; c0 += kCols) {
       const int64_t w = std::min(kCols, ce - c0);
       float acc[kCols];
       for (int64_t j = 0; j < w; ++j) acc[j] = off + (bias ? bias[c0 + j] : 0.0f);

@@ -101,11 +101,22 @@ inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const
   }
 }
 
-// A thread's buffer of at least n float sums for add_rows_blocked (grown to the widest unit seen, then reused).
-inline float* blocked_sums(int64_t n) {
-  static thread_local std::vector<float> sums;
-  if (static_cast<int64_t>(sums.size()) < n) sums.resize(n);
-  return sums.data();
+// The whole spans of a unit [cb, ce) in the row-block order, for lookup_kernel and the int8 pass: a thread's buffer of
+// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked (the
+// next token's rows prefetched only where no ragged span follows, which reads them itself), handed to finish(sums, w),
+// w = the whole spans' width. Returns where a ragged last span starts (ce where there is none).
+template <typename T, typename Start, typename Finish>
+int64_t sum_whole_spans(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
+                        int64_t K, int64_t cb, int64_t ce, Start start, Finish finish) {
+  const int64_t whole = cb + (ce - cb) / kCols * kCols;
+  if (whole == cb) return cb;
+  static thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < whole - cb) buffer.resize(whole - cb);
+  float* sums = buffer.data();
+  start(sums, whole - cb);
+  add_rows_blocked(sums, tables, stride, rn, whole == ce ? rnext : nullptr, s, K, cb, whole);
+  finish(static_cast<const float*>(sums), whole - cb);
+  return whole;
 }
 
 template <typename T>
@@ -116,17 +127,13 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     const int64_t* rn = rows + n * K;
     const A* sn = scores + n * K;
     int64_t c0 = cb;
-    if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order (add_rows_blocked)
-      const int64_t whole = cb + (ce - cb) / kCols * kCols;
-      if (whole > cb) {
-        float* sums = blocked_sums(whole - cb);
-        for (int64_t j = 0; j < whole - cb; j += kLanes)
-          (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
-        add_rows_blocked(sums, tables, D, rn, whole == ce ? rnext : nullptr, sn, K, cb, whole);
+    if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order, from the bias (or 0)
+      c0 = sum_whole_spans(tables, D, rn, rnext, sn, K, cb, ce, [&](float* sums, int64_t w) {
+        for (int64_t j = 0; j < w; j += kLanes) (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
+      }, [&](const float* sums, int64_t w) {
         T* o = out + n * D + cb;   // accumulated in float32, stored in the tables' dtype
-        for (int64_t j = 0; j < whole - cb; ++j) o[j] = static_cast<T>(sums[j]);
-        c0 = whole;
-      }
+        for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(sums[j]);
+      });
     }
     // A ragged last span (and float64 tables): the rows' spans summed one span at a time, as scalars.
     if (c0 < ce)

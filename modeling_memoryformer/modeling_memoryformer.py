@@ -25,6 +25,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
+from .decode_loop import sample as lean_sample
 from .decode_layer import decode_layer_step, decode_stack_run, decode_stack_step, decode_step_mask, rotary_table_rows
 from .huge_pages import place_on_huge_pages
 from .memory_loss import uses_chunked_loss
@@ -595,6 +596,7 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
 
 class MemoryFormerForCausalLM(MemoryFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _sample = lean_sample  # generate's greedy / sampling loop, its decode steps as direct calls (decode_loop.py)
 
     def __init__(self, config: MemoryFormerConfig):
         super().__init__(config)

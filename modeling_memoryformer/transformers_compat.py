@@ -21,6 +21,10 @@ running release's own interfaces.
 - Compiled decoding: `generate` compiles the decode step by itself over a static KV cache on GPUs only; on the CPU
   it does when the `CompileConfig` carries the private flag `_compile_all_devices` (present from the oldest supported
   release to the newest). `compiled_decode_kwargs` sets it, and is the one place that names it.
+- `generate`'s loop for greedy search and sampling (`GenerationMixin._sample`) is mirrored with direct decode calls
+  (`decode_loop.sample`) where the running release's loop has the interface it was written against, 5.10 to 5.24
+  (`generation_loop_known`: the signatures of `_sample`, `_prefill`, `_update_model_kwargs_for_generation` and the
+  auto-compile check); under another the standard loop runs.
 - The decode stack (`decode_layer.decode_stack_step`) grows a `DynamicCache`'s layers itself: `cache_grows_by_cat`
   checks once, on the running release's `DynamicLayer`, that an update is `torch.cat([keys, new], dim=-2)` stored in
   `keys` and `values` and nothing else. It skips the decoder layers' calls, so it runs only while transformers' output
@@ -154,6 +158,27 @@ def outputs_captured() -> bool:
     """Whether transformers' output capture (the `capture_outputs` decorator) records something in this forward, so
     that its hooks on the decoder layers and attentions must run (True where the running release has no collector)."""
     return _OUTPUT_COLLECTOR is None or bool(_OUTPUT_COLLECTOR.get())
+
+
+_LOOP_SIGNATURES = {
+    "_sample": ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
+                "streamer", "model_kwargs"],
+    "_prefill": ["self", "input_ids", "generation_config", "model_kwargs", "is_first_iteration"],
+    "_update_model_kwargs_for_generation": ["self", "outputs", "model_kwargs", "is_encoder_decoder", "num_new_tokens"],
+    "_valid_auto_compile_criteria": ["self", "model_kwargs", "generation_config"],
+}
+
+
+@functools.cache
+def generation_loop_known() -> bool:
+    """Whether the running release's `GenerationMixin` has the loop interface `decode_loop.sample` mirrors."""
+    from transformers.generation import GenerationMixin
+
+    try:
+        return all(list(inspect.signature(getattr(GenerationMixin, name)).parameters) == parameters
+                   for name, parameters in _LOOP_SIGNATURES.items())
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def cache_argument(past_key_values, cache):

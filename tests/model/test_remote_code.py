@@ -27,7 +27,7 @@ PACKAGE_DIR = Path(modeling_memoryformer.__file__).parent
 # The model unit: what save_pretrained copies next to the weights, and all that stands at the package's top level
 # (besides __init__.py and the C++ in csrc/, which travels as memory_kernel_source.py).
 MODEL_FILES = [
-    "configuration_memoryformer.py", "cpu_facts.py", "decode_layer.py", "huge_pages.py", "memory_backend_cpu.py", "memory_backend_torch.py", "memory_backend_triton.py",
+    "configuration_memoryformer.py", "cpu_facts.py", "decode_layer.py", "decode_loop.py", "huge_pages.py", "memory_backend_cpu.py", "memory_backend_torch.py", "memory_backend_triton.py",
     "memory_kernel_source.py", "memory_kernels.py", "memory_layer.py", "memory_loss.py", "memory_math.py", "memory_op_library.py",
     "memory_ops.py", "memory_table_updates.py", "modeling_memoryformer.py", "quantization.py",
     "transformers_compat.py",

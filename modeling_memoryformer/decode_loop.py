@@ -1,0 +1,225 @@
+"""`generate`'s decoding loop for greedy search and sampling, lean where every step's layers run as one fused call.
+
+`GenerationMixin._sample` spends, per token, about 0.4 ms of Python around the model on top of the model's call
+(`prepare_inputs_for_generation` rebuilding the step's inputs from `model_kwargs`, `_update_model_kwargs_for_generation`
+growing them again, the module call with its decorators and output dataclass, the full position ids concatenated):
+against a MF-tiny step of 4-5 ms on 2 CPU cores, of which the bytes the step must read take about 2.3. `sample` runs
+the same loop with each decode step's model call made directly: the step's inputs are what those two hooks would give
+(the last token, the next position per sequence, the attention mask grown by a column of ones), the model body is
+`decode_layer.decode_stack_run` (every layer in one `decode_stack` call) and the LM head, exactly the calls the
+forward makes for that step, so the tokens, the cache and every logits processor's inputs are those of the standard
+loop (tests/model/test_decode_loop.py compares them under greedy search and sampling, with processors, EOS, padding
+and a streamer). Where the stack declines a step (a hook, a replaced module, another attention implementation...),
+that step is the module call with those inputs.
+
+Taken only where nothing of the standard loop is skipped that could show: on the CPU, no `return_dict_in_generate`
+(scores, logits, attentions, hidden states to collect), no `synced_gpus`, no assistant, no compiled step, a plain
+`DynamicCache`, only the keywords `generate` itself prepares for a decoder-only model (attention mask, position ids,
+logits_to_keep, the cache, use_cache), a forward that is this model's own with no hook on the model, and a running
+transformers release whose loop is the one this mirrors (`transformers_compat.generation_loop_known`). Elsewhere
+`GenerationMixin._sample` runs, unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from operator import attrgetter, is_
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+from .decode_layer import _CPU_KEYS, _ROOM, DynamicLayer, decode_stack_run, fused_ops
+from .transformers_compat import CACHE_NAMES, generation_loop_known
+
+_LOOP_KEYWORDS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache", *CACHE_NAMES})
+_KEYS, _VALUES = attrgetter("keys"), attrgetter("values")
+
+
+def _loop_applies(model, input_ids, generation_config, synced_gpus: bool, model_kwargs: dict) -> bool:
+    cache = next((model_kwargs[name] for name in CACHE_NAMES if model_kwargs.get(name) is not None), None)
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    return (generation_loop_known() and not synced_gpus and not generation_config.return_dict_in_generate
+            and not getattr(generation_config, "is_assistant", False) and model_kwargs.keys() <= _LOOP_KEYWORDS
+            and model_kwargs.get("use_cache") is True and type(cache) is DynamicCache
+            and type(model_kwargs.get("logits_to_keep", 1)) is int  # a decode step has one position to keep
+            and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.device.type == "cpu"
+            and isinstance(positions, torch.Tensor) and positions.shape == input_ids.shape
+            and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2
+                                  and mask.shape[0] == input_ids.shape[0]))
+            and not torch.compiler.is_compiling() and not model._valid_auto_compile_criteria(model_kwargs,
+                                                                                              generation_config))
+
+
+def _unhooked(*modules) -> bool:
+    """Whether a call of each module is its class's forward alone: no hook on it, none global, no forward set on it."""
+    module = nn.modules.module
+    return not (module._global_forward_hooks or module._global_forward_pre_hooks or any(
+        m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules))
+
+
+def _transformers_own(*callbacks) -> bool:
+    """Whether every callback is an object of a transformers class (its logits processors, stopping criteria and
+    streamers), which reads the token ids and scores it is given and nothing of the model."""
+    return all(type(c).__module__.startswith("transformers.") for c in callbacks)
+
+
+class _StackSession:
+    """What a decode step that ran every layer in one `decode_stack` call (`decode_stack_run`, with all its checks)
+    read, for the next steps of the same loop while only transformers' own callbacks run between them: those change
+    nothing of the model, so the checks' answer stands and each step is the same calls on the same operands, without
+    the 0.2-0.5 ms of Python that derive them again (the plan's check over every submodule and parameter, the module
+    calls of the embedding, dropout, rotary embedding and final norm). It holds the KV views the last call returned,
+    which the next call grows in place (the `_ROOM` marks are moved to them when the session closes)."""
+
+    def __init__(self, lm, cache, step: torch.Tensor, positions: torch.Tensor):
+        self.ok = False
+        model = lm.model
+        embed, dropout, rotary, norm = (model._modules.get(name) for name in
+                                        ("embed_tokens", "emb_dropout", "rotary_emb", "norm"))
+        plan, table = model.__dict__.get("_decode_stack"), rotary.__dict__.get("_rope_table")
+        if (plan is None or not plan.ok or table is None or type(embed) is not nn.Embedding or embed.max_norm is not None
+                or type(dropout) is not nn.Dropout or dropout.training or not _unhooked(model, embed, dropout, rotary, norm)
+                or step.shape[0] > 64 or len(cache.layers) != plan.stack[-1]
+                or any(type(layer) is not DynamicLayer for layer in cache.layers)):
+            return
+        inv_freq = rotary.inv_freq
+        if table[0] != (inv_freq.data_ptr(), inv_freq._version, inv_freq.dtype, rotary.attention_scaling,
+                        embed.weight.dtype) or table[1].dtype is not embed.weight.dtype:
+            return  # the table of another dtype or inv_freq: the module path makes it again
+        self.cache, self.layers = cache, cache.layers
+        self.keys, self.values = tuple(map(_KEYS, self.layers)), tuple(map(_VALUES, self.layers))
+        self.marked = self.keys + self.values
+        self.embed, self.norm, self.cos, self.sin = embed.weight, norm, table[1], table[2]
+        self.vocab = embed.num_embeddings
+        tensors, floats, ints, heads, scaling, _head_dim, count = plan.stack
+        self.operands = (heads, scaling, tensors, floats, ints, [1] * count)
+        self.ok = True
+
+    def step(self, model, ids: torch.Tensor, positions: torch.Tensor, top: int):
+        """The last hidden states (after the final norm) of the next decode step, or None where the session does
+        not cover it (a position past the rotary table, a token outside the vocabulary, a cache changed)."""
+        layers = self.layers
+        if (top >= self.cos.shape[0] or self.cache.layers is not layers
+                or not all(map(is_, map(_KEYS, layers), self.keys)) or not all(map(is_, map(_VALUES, layers), self.values))):
+            return None
+        tokens = ids.view(-1).tolist()
+        if min(tokens) < 0 or max(tokens) >= self.vocab:
+            return None  # the module path raises its error
+        batch = len(tokens)
+        x = F.embedding(ids, self.embed)  # nn.Embedding's forward (no max_norm); the dropout is off
+        rows = positions.view(-1)
+        shape = (batch, 1, self.cos.shape[-1])
+        cos, sin = self.cos.index_select(0, rows).view(shape), self.sin.index_select(0, rows).view(shape)
+        heads, scaling, tensors, floats, ints, owned = self.operands
+        out, self.keys, self.values = fused_ops().decode_stack.default.redispatch(
+            _CPU_KEYS, x.view(batch, -1), self.keys, self.values, None, cos, sin, heads, scaling, tensors, floats, ints,
+            owned)
+        for layer, key, value in zip(layers, self.keys, self.values):
+            layer.keys, layer.values = key, value
+        return type(self.norm).forward(self.norm, out.view(batch, 1, -1))
+
+    def close(self) -> None:
+        """Moves the `_ROOM` marks from the views the session started from to the ones the cache holds now."""
+        if self.ok:
+            for view in self.marked:
+                vars(view).pop(_ROOM, None)
+            for key, value in zip(map(_KEYS, self.layers), map(_VALUES, self.layers)):
+                vars(key)[_ROOM] = vars(value)[_ROOM] = True
+            self.ok = False
+
+
+def _criteria_undecided(stopping_criteria, length: int) -> bool:
+    """Whether every stopping criterion is a `MaxLengthCriteria` that says False at this length without a word
+    (then the list's answer is all False, without its calls' five small tensor ops)."""
+    return all(type(c) is MaxLengthCriteria and length < c.max_length
+               and (c.max_position_embeddings is None or length <= c.max_position_embeddings)
+               for c in stopping_criteria)
+
+
+def sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False,
+           streamer=None, **model_kwargs):
+    """`GenerationMixin._sample` (the loop of greedy search and multinomial sampling), its decode steps made as
+    direct calls where that gives the same result (see the module's docstring); else `GenerationMixin._sample`."""
+    if not _loop_applies(self, input_ids, generation_config, synced_gpus, model_kwargs):
+        return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    all_unfinished = True  # what unfinished_sequences holds, while it is all ones
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    outputs = self._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    model_kwargs = self._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+    logits = outputs.logits[:, -1]
+    del outputs
+    cache_name = next(name for name in CACHE_NAMES if model_kwargs.get(name) is not None)
+    cache, mask = model_kwargs[cache_name], model_kwargs.get("attention_mask")
+    positions = model_kwargs["position_ids"][:, -1:]  # as prepare_inputs_for_generation slices them for the step
+    top = int(positions.max())
+    ones = mask is None or bool(mask.all())  # the mask grows by ones: it stays all ones if it is now
+    keep = model_kwargs.get("logits_to_keep", 1)
+    # the class's forward is the one this loop's direct calls stand for (a subclass may have its own)
+    owner = next(cls for cls in type(self).__mro__ if cls.__dict__.get("_sample") is sample)
+    own_forward = type(self).forward is owner.__dict__.get("forward")
+    quiet = _transformers_own(logits_processor, *logits_processor, stopping_criteria, *stopping_criteria,
+                              *([streamer] if streamer is not None else []))
+    session = None
+    optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
+    try:
+        with optimized():
+            while True:
+                if logits is None:  # a decode step: the last tokens at the next positions
+                    step = input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
+                    hidden = None
+                    if session is not None:
+                        hidden = session.step(self, step, positions, top) if own_forward and _unhooked(self) else None
+                        if hidden is None:
+                            session.close()
+                            session = None
+                    if hidden is None and own_forward and _unhooked(self):
+                        run = decode_stack_run(self, step, mask, positions, cache, None, None, {})
+                        if run is not None:
+                            hidden = run[0]
+                            if quiet and ones:
+                                session = _StackSession(self, cache, step, positions)
+                                session = session if session.ok else None
+                    if hidden is not None:
+                        logits = self.lm_head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
+                    else:
+                        outputs = self(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True,
+                                       logits_to_keep=keep, return_dict=True, **{cache_name: cache})
+                        logits = outputs.logits[:, -1]
+                        del outputs
+                    if mask is not None:
+                        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+                    positions = positions + 1
+                    top += 1
+                next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+                logits = None
+                next_token_scores = logits_processor(input_ids, next_token_logits)
+                if generation_config.do_sample:
+                    probs = nn.functional.softmax(next_token_scores, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(next_token_scores, dim=-1)
+                if has_eos_stopping_criteria and not all_unfinished:  # else the same tokens
+                    next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
+                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                if not _criteria_undecided(stopping_criteria, input_ids.shape[1]):
+                    unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, None)
+                    all_unfinished = bool(unfinished_sequences.all())
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                if not all_unfinished and unfinished_sequences.max() == 0:
+                    break
+    finally:
+        if session is not None:
+            session.close()
+    if streamer is not None:
+        streamer.end()
+    return input_ids

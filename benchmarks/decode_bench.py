@@ -16,9 +16,11 @@ the step reaches. Results before 2026-11-28 probed 4 KB pages, which read up to 
 bound; a latency-bound gather of scattered rows cannot quite reach it. Results written before the dot probe (no
 "read_gbps") give the sum's.
 
-The step time is read inside one `generate` call: a logits processor records the time of every step, and the median
-interval between consecutive steps after the first (which follows the prefill) is the step time. So the prefill
-and `generate`'s setup are out of it, and what is timed is what a user's `generate` spends per token.
+The step time is read inside one `generate` call: a forward pre-hook on the LM head records when every step reaches
+it (a logits processor where the step is compiled), and the median interval between consecutive steps after the
+first (which follows the prefill) is the step time. So the prefill and `generate`'s setup are out of it, and what is
+timed is what a user's plain `generate` spends per token (a logits processor of one's own would make MemoryFormer's
+loop check the model at every step: modeling_memoryformer/decode_loop.py).
 
 Paths (both models take each):
 - eager: `generate` with the dynamic KV cache, as transformers runs by default. Attention: a decode step's single
@@ -254,7 +256,10 @@ def _kv_dtype(model) -> torch.dtype:
 
 
 class StepClock:
-    """A logits processor that records when each decode step reaches the logits (it changes nothing)."""
+    """Records when each step reaches the LM head, changing nothing: as a forward pre-hook on the model's output
+    embeddings (`attach`), so that `generate` runs as a plain call does (a logits processor of one's own makes
+    MemoryFormer's decoding loop check the model again at every step, modeling_memoryformer/decode_loop.py); where
+    the step is compiled (a hook would be traced into it), as a logits processor (called with the step's logits)."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -262,6 +267,18 @@ class StepClock:
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
         return scores
+
+    def hook(self, module, args) -> None:
+        self.times.append(time.perf_counter())
+
+    def attach(self, model, path: str) -> tuple[dict, object | None]:
+        """(generate keywords, a hook handle to remove): the hook on the LM head, or for the compiled path a
+        logits processor."""
+        from transformers import LogitsProcessorList
+
+        if path == "compiled":
+            return {"logits_processor": LogitsProcessorList([self])}, None
+        return {}, model.get_output_embeddings().register_forward_pre_hook(self.hook)
 
     def step_seconds(self) -> list[float]:
         """Intervals between consecutive steps, the first (after the prefill) left out."""
@@ -276,8 +293,6 @@ def generate_kwargs(path: str) -> dict:
 
 def run_cell(job: dict) -> dict:
     """Build one model, time its decode at every batch size, and report (in this process)."""
-    from transformers import LogitsProcessorList
-
     torch.set_num_threads(job["threads"])
     kind, preset, storage, path = job["kind"], job["preset"], job["storage"], job["path"]
     started = time.perf_counter()
@@ -306,8 +321,13 @@ def run_cell(job: dict) -> dict:
             steps, cores = [], []
             for i in range(job["warmup"] + job["repeats"]):
                 clock = StepClock()
+                extra, handle = clock.attach(model, path)
                 before = cpu_snapshot()
-                out = model.generate(prompt, logits_processor=LogitsProcessorList([clock]), **common, **kwargs)
+                try:
+                    out = model.generate(prompt, **extra, **common, **kwargs)
+                finally:
+                    if handle is not None:
+                        handle.remove()
                 if i >= job["warmup"]:
                     steps += clock.step_seconds()
                     cores.append(other_cores_since(before))

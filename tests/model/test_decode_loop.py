@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import modeling_memoryformer.modeling_memoryformer as modeling
 from modeling_memoryformer import decode_layer, decode_loop, memory_ops
-from modeling_memoryformer.transformers_compat import generation_loop_known
+from modeling_memoryformer.transformers_compat import CACHE_FIELD, generation_loop_known
 
 from conftest import require_kernel, tiny_model
 from test_decode_layer import modules_only
@@ -207,11 +207,11 @@ def test_a_cache_passed_in_holds_the_standard_keys_and_values_and_continues(monk
 
     def run():
         cache = DynamicCache(config=model.config)
-        first = generate(model, UNPADDED, past_key_values=cache)
-        second = generate(model, first, past_key_values=cache, max_new_tokens=4)  # continues from the cache
+        first = generate(model, UNPADDED, **{CACHE_FIELD: cache})  # under the running release's name
+        second = generate(model, first, max_new_tokens=4, **{CACHE_FIELD: cache})  # continues from the cache
         return second, cache
 
-    (fast, fast_cache), runs = run(), None
+    fast, fast_cache = run()
     standard_loop(monkeypatch)
     modules_only(monkeypatch)
     slow, slow_cache = run()

@@ -132,3 +132,25 @@ def test_the_read_bound_is_the_best_probe_and_the_dot_probe_reads_the_whole_buff
     assert cpu_load.memory_read_gbps(repeats=2) == 4.19  # 4 MiB / 1 ms
     (n1, n2, p1, p2), _ = calls
     assert n1 == n2 == 1 << 19 and p2 - p1 == 4 << 19  # the halves, end to end
+
+
+def test_the_step_clock_times_every_step_and_leaves_the_loop_as_a_plain_call_runs_it(monkeypatch):
+    from conftest import require_kernel, tiny_model
+    from modeling_memoryformer import decode_loop, memory_ops
+
+    require_kernel("fused")
+    model = tiny_model(attn_implementation="sdpa")
+    prompt = torch.tensor([[5, 17, 99, 42]])
+    sessions, step = [], decode_loop._StackSession.step
+    monkeypatch.setattr(decode_loop._StackSession, "step", lambda *args: sessions.append(1) or step(*args))
+    clock = decode_bench.StepClock()
+    extra, handle = clock.attach(model, "eager")
+    with memory_ops.use_kernel("fused"), torch.inference_mode():
+        timed = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, **extra)
+        handle.remove()
+        plain = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert extra == {} and torch.equal(timed, plain)
+    assert len(clock.times) == 6 and len(clock.step_seconds()) == 4  # the prefill's head call, then each step's
+    assert len(sessions) == 2 * 4  # both calls: every step after the first on the loop's session
+    extra, handle = decode_bench.StepClock().attach(model, "compiled")
+    assert handle is None and list(extra) == ["logits_processor"]

@@ -33,6 +33,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from .decode_layer import _CPU_KEYS, _ROOM, DynamicLayer, decode_stack_run, fused_ops
+from .memory_ops import argmax_rows
 from .transformers_compat import CACHE_NAMES, generation_loop_known
 
 _LOOP_KEYWORDS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache", *CACHE_NAMES})
@@ -199,14 +200,17 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
                     positions = positions + 1
                     top += 1
-                next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+                if generation_config.do_sample or len(logits_processor):
+                    next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
+                    next_token_scores = logits_processor(input_ids, next_token_logits)
+                    if generation_config.do_sample:
+                        probs = nn.functional.softmax(next_token_scores, dim=-1)
+                        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                    else:
+                        next_tokens = argmax_rows(next_token_scores)  # torch.argmax(..., dim=-1), faster
+                else:  # greedy, nothing to process: the argmax of the logits is that of their float32 copy
+                    next_tokens = argmax_rows(logits)
                 logits = None
-                next_token_scores = logits_processor(input_ids, next_token_logits)
-                if generation_config.do_sample:
-                    probs = nn.functional.softmax(next_token_scores, dim=-1)
-                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-                else:
-                    next_tokens = torch.argmax(next_token_scores, dim=-1)
                 if has_eos_stopping_criteria and not all_unfinished:  # else the same tokens
                     next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

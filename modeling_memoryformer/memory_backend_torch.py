@@ -120,6 +120,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over each row of x [N, V]."""
+    return torch.argmax(x, dim=-1)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float) -> torch.Tensor:
     """Attention of one query position per sequence: q [B, H, 1, D], k and v [B, Hkv, T, D], mask None, bool (true:
@@ -165,6 +170,6 @@ def adam_rowwise_step(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
 TORCH_BACKEND = types.SimpleNamespace(
     name="torch",
     **{kernel.__name__: kernel for kernel in (hash, hash_backward, lookup, lookup_backward, lookup_backward_rows,
-                                              int8_lookup, linear_rows, decode_attention, rowwise_adagrad_step,
+                                              int8_lookup, linear_rows, argmax_rows, decode_attention, rowwise_adagrad_step,
                                               adam_rowwise_step)},
 )

@@ -36,6 +36,7 @@ OP_SCHEMAS = {
     # Inference forms: int8 tables (FBGEMM's row-wise layout) and the LM head for a few tokens.
     "int8_lookup": "(Tensor rows, Tensor scores, Tensor packed, Tensor? bias, int rows_per_table) -> Tensor",
     "linear_rows": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "argmax_rows": "(Tensor x) -> Tensor",  # a greedy step's token from the logits: torch.argmax(x, -1)
     # Attention of one query position per sequence over its KV cache (a decode step).
     "decode_attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scaling) -> Tensor",
     # The row-wise table optimizers' steps, in place.
@@ -143,6 +144,10 @@ def _register_fakes(namespace: str) -> None:
     @fake("linear_rows")
     def _linear_rows(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @fake("argmax_rows")
+    def _argmax_rows(x):
+        return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @fake("decode_attention")
     def _decode_attention(q, k, v, mask, scaling):

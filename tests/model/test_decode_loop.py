@@ -261,3 +261,22 @@ def test_a_subclass_forward_or_a_hook_on_the_model_is_called_every_step(monkeypa
     generate(base, UNPADDED)
     handle.remove()
     assert len(seen) == NEW and runs["session"] == runs["stack"] == 0
+
+
+def test_the_text_generation_pipeline_runs_on_the_loops_session(monkeypatch):
+    from transformers import pipeline
+
+    from test_generation import _word_level_tokenizer
+
+    tokenizer = _word_level_tokenizer()
+    model = tiny_model(attn_implementation="sdpa")
+    text = "w5 w17 w99 w42 w8"
+    runs = counted(monkeypatch)
+    with memory_ops.use_kernel("fused"):
+        fast = pipeline("text-generation", model=model, tokenizer=tokenizer)(text, max_new_tokens=NEW, do_sample=False)
+    assert runs == {"loop": 1, "session": NEW - 2, "stack": 1}
+    monkeypatch.undo()
+    standard_loop(monkeypatch)
+    modules_only(monkeypatch)
+    slow = pipeline("text-generation", model=model, tokenizer=tokenizer)(text, max_new_tokens=NEW, do_sample=False)
+    assert fast[0]["generated_text"] == slow[0]["generated_text"]

@@ -1,0 +1,71 @@
+"""The greedy token of a decode step: the fused kernel's `argmax_rows` op and `memory_ops.argmax_rows` against
+torch.argmax(x, dim=-1), the oracle, on values that decide it: ties (the first index wins), NaN (the first NaN wins),
+infinities, signed zeros, rows shorter than a vector and not a multiple of one, and every dtype it takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import require_kernel
+from modeling_memoryformer import memory_ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def fused_kernel():
+    require_kernel("fused")
+    with memory_ops.use_kernel("fused"):
+        yield
+
+
+def fused(x):
+    return torch.ops.memoryformer.argmax_rows(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [1, 3, 7, 8, 9, 16, 17, 31, 100, 50304])
+def test_random_rows_give_torchs_index(dtype, width):
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+    assert torch.equal(fused(x), torch.argmax(x, dim=-1))
+    assert fused(x).dtype == torch.long
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ties_nan_infinities_and_signed_zeros_give_torchs_index(dtype):
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        [1.0, 3.0, 3.0, 2.0, 3.0] + [0.0] * 20,          # a tie: the first of them
+        [0.0] * 19 + [5.0] + [0.0] * 4 + [5.0],           # a tie across vectors
+        [1.0, nan, 7.0, nan] + [0.0] * 21,                # NaN is the largest: the first NaN
+        [0.0] * 24 + [nan],                               # a NaN in the scalar tail
+        [-inf] * 25,                                      # all -inf: index 0
+        [-inf] * 12 + [inf] + [-inf] * 11 + [inf],        # +inf
+        [-0.0, 0.0] + [-1.0] * 23,                        # -0 == +0: the first
+        [-3.0] * 10 + [0.0, -0.0] + [-3.0] * 13,
+    ]
+    x = torch.tensor(rows).to(dtype)
+    assert torch.equal(fused(x), torch.argmax(x, dim=-1))
+    assert fused(x).tolist()[:5] == [1, 19, 1, 24, 0]
+
+
+def test_memory_ops_takes_the_op_where_it_applies_and_torch_elsewhere(monkeypatch):
+    calls = []
+    op = torch.ops.memoryformer.argmax_rows
+    monkeypatch.setattr(memory_ops, "fused_call", lambda f, *args: calls.append(f) or f(*args))
+    x = torch.randn(2, 50, dtype=torch.bfloat16)
+    assert torch.equal(memory_ops.argmax_rows(x), torch.argmax(x, dim=-1)) and calls == [op]
+    for other in (x.t(), x.double(), x[None], x[:, :0]):  # strided, float64, 3-D, empty: torch.argmax
+        if other.numel():
+            assert torch.equal(memory_ops.argmax_rows(other), torch.argmax(other, dim=-1))
+    assert calls == [op]
+    with memory_ops.use_kernel("torch"):
+        assert torch.equal(memory_ops.argmax_rows(x), torch.argmax(x, dim=-1)) and calls == [op]
+
+
+def test_bad_input_is_refused_with_the_shape_and_dtype():
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 \\[N, V\\] with V >= 1"):
+        fused(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        fused(torch.zeros(2, 4, dtype=torch.float64))

@@ -10,7 +10,11 @@ the same loop with each decode step's model call made directly: the step's input
 forward makes for that step, so the tokens, the cache and every logits processor's inputs are those of the standard
 loop (tests/model/test_decode_loop.py compares them under greedy search and sampling, with processors, EOS, padding
 and a streamer). Where the stack declines a step (a hook, a replaced module, another attention implementation...),
-that step is the module call with those inputs.
+that step is the module call with those inputs. While only transformers' own processors, stopping criteria and
+streamers run between steps (they read token ids and scores, nothing of the model), `_StackSession` skips the
+re-derivation of what the last checked step read; a callback of another class makes every step check again. Greedy
+tokens come from `memory_ops.argmax_rows` (torch.argmax's index, faster; from the logits themselves where no
+processor needs their float32 copy).
 
 Taken only where nothing of the standard loop is skipped that could show: on the CPU, no `return_dict_in_generate`
 (scores, logits, attentions, hidden states to collect), no `synced_gpus`, no assistant, no compiled step, a plain

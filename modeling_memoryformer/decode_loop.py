@@ -128,11 +128,12 @@ class _StackSession:
         return type(self.norm).forward(self.norm, out.view(batch, 1, -1))
 
     def close(self) -> None:
-        """Moves the `_ROOM` marks from the views the session started from to the ones the cache holds now."""
+        """Moves the `_ROOM` marks from the views the session started from to the ones its last call returned (the
+        latest views of their buffers, whoever holds them now)."""
         if self.ok:
             for view in self.marked:
                 vars(view).pop(_ROOM, None)
-            for key, value in zip(map(_KEYS, self.layers), map(_VALUES, self.layers)):
+            for key, value in zip(self.keys, self.values):
                 vars(key)[_ROOM] = vars(value)[_ROOM] = True
             self.ok = False
 

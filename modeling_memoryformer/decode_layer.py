@@ -60,6 +60,14 @@ def _attention_hooked(attention: nn.Module) -> bool:
     return any(getattr(h, "__name__", None) != _CAPTURE_HOOK for h in attention._forward_hooks.values())
 
 
+def unhooked(*modules) -> bool:
+    """Whether a call of each module is its class's forward alone: no hook on it, none global, no forward set on the
+    instance (accelerate's hooks replace it)."""
+    module = nn.modules.module
+    return not (module._global_forward_hooks or module._global_forward_pre_hooks or any(
+        m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules))
+
+
 class _Plan:
     """One layer's operands for the two ops, and what they were read from: each step checks that every submodule and
     parameter is still the one read (PEFT, quantisation or a user may replace them), that each tensor keeps the
@@ -378,14 +386,11 @@ def decode_stack_run(lm: nn.Module, input_ids, attention_mask, position_ids, cac
     hook or replaced forward, nothing asks for hidden states or attentions, and no keyword or label is given, so the
     result is the module call's (tests/model/test_decode_stack.py)."""
     model = lm._modules.get("model")
-    module = nn.modules.module
     if (kwargs or labels is not None or inputs_embeds is not None or type(model).__name__ != "MemoryFormerModel"
             or type(cache) is not DynamicCache or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
             or input_ids.shape[1] != 1 or torch.is_grad_enabled() or model.training
-            or torch.compiler.is_compiling() or torch.jit.is_tracing() or model._forward_hooks
-            or model._forward_pre_hooks or "forward" in model.__dict__ or module._global_forward_hooks
-            or module._global_forward_pre_hooks or getattr(lm.config, "output_attentions", False)
-            or getattr(lm.config, "output_hidden_states", False)):
+            or torch.compiler.is_compiling() or torch.jit.is_tracing() or not unhooked(model)
+            or getattr(lm.config, "output_attentions", False) or getattr(lm.config, "output_hidden_states", False)):
         return None
     return model._run(input_ids, attention_mask, position_ids, cache, None, None, {}, stack_only=True)
 

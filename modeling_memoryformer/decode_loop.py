@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
-from .decode_layer import _CPU_KEYS, _ROOM, DynamicLayer, decode_stack_run, fused_ops
+from .decode_layer import _CPU_KEYS, _ROOM, DynamicLayer, decode_stack_run, fused_ops, unhooked
 from .memory_ops import argmax_rows
 from .transformers_compat import CACHE_NAMES, generation_loop_known
 
@@ -59,13 +59,6 @@ def _loop_applies(model, input_ids, generation_config, synced_gpus: bool, model_
                                                                                               generation_config))
 
 
-def _unhooked(*modules) -> bool:
-    """Whether a call of each module is its class's forward alone: no hook on it, none global, no forward set on it."""
-    module = nn.modules.module
-    return not (module._global_forward_hooks or module._global_forward_pre_hooks or any(
-        m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules))
-
-
 def _transformers_own(*callbacks) -> bool:
     """Whether every callback is an object of a transformers class (its logits processors, stopping criteria and
     streamers), which reads the token ids and scores it is given and nothing of the model."""
@@ -80,15 +73,15 @@ class _StackSession:
     calls of the embedding, dropout, rotary embedding and final norm). It holds the KV views the last call returned,
     which the next call grows in place (the `_ROOM` marks are moved to them when the session closes)."""
 
-    def __init__(self, lm, cache, step: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, lm, cache, batch: int):
         self.ok = False
         model = lm.model
         embed, dropout, rotary, norm = (model._modules.get(name) for name in
                                         ("embed_tokens", "emb_dropout", "rotary_emb", "norm"))
         plan, table = model.__dict__.get("_decode_stack"), rotary.__dict__.get("_rope_table")
         if (plan is None or not plan.ok or table is None or type(embed) is not nn.Embedding or embed.max_norm is not None
-                or type(dropout) is not nn.Dropout or dropout.training or not _unhooked(model, embed, dropout, rotary, norm)
-                or step.shape[0] > 64 or len(cache.layers) != plan.stack[-1]
+                or type(dropout) is not nn.Dropout or dropout.training or not unhooked(model, embed, dropout, rotary, norm)
+                or batch > 64 or len(cache.layers) != plan.stack[-1]
                 or any(type(layer) is not DynamicLayer for layer in cache.layers)):
             return
         inv_freq = rotary.inv_freq
@@ -104,7 +97,7 @@ class _StackSession:
         self.operands = (heads, scaling, tensors, floats, ints, [1] * count)
         self.ok = True
 
-    def step(self, model, ids: torch.Tensor, positions: torch.Tensor, top: int):
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, top: int):
         """The last hidden states (after the final norm) of the next decode step, or None where the session does
         not cover it (a position past the rotary table, a token outside the vocabulary, a cache changed)."""
         layers = self.layers
@@ -181,18 +174,17 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
             while True:
                 if logits is None:  # a decode step: the last tokens at the next positions
                     step = input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
-                    hidden = None
-                    if session is not None:
-                        hidden = session.step(self, step, positions, top) if own_forward and _unhooked(self) else None
-                        if hidden is None:
-                            session.close()
-                            session = None
-                    if hidden is None and own_forward and _unhooked(self):
+                    direct = own_forward and unhooked(self)  # else the module call, with its hooks
+                    hidden = session.step(step, positions, top) if session is not None and direct else None
+                    if session is not None and hidden is None:
+                        session.close()
+                        session = None
+                    if hidden is None and direct:
                         run = decode_stack_run(self, step, mask, positions, cache, None, None, {})
                         if run is not None:
                             hidden = run[0]
                             if quiet and ones:
-                                session = _StackSession(self, cache, step, positions)
+                                session = _StackSession(self, cache, step.shape[0])
                                 session = session if session.ok else None
                     if hidden is not None:
                         logits = self.lm_head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing

@@ -101,8 +101,10 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/cpu/prelude.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/native_layer_norm_native.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -2127,6 +2129,36 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
 // head is summed by one thread in its own order either way: the same bits.
 constexpr int64_t kAttentionSerialWork = 1 << 14;
 
+// The decode attention of B sequences x H query heads (Hkv key/value heads, H a multiple of it) over Tn positions,
+// from pointers and element strides (q [B, H, D] by q_b and q_h; k and v [B, Hkv, Tn, D] by their batch, head and
+// position strides; keep and add [B * H, Tn] or null), out [B, H, D] contiguous: decode_attention_row per (b, h),
+// over the threads where the work is worth it. A thread first prefetches the keys and values of its rows (each a
+// span of Tn * D values where the positions are dense): cold after the LM head's stream, they then arrive together
+// instead of one head's after another's.
+template <typename T>
+void decode_attention_rows(const T* qp, int64_t q_b, int64_t q_h, const T* kp, int64_t k_b, int64_t k_h, int64_t k_t,
+                           const T* vp, int64_t v_b, int64_t v_h, int64_t v_t, int64_t B, int64_t H, int64_t Hkv,
+                           int64_t D, int64_t Tn, float scale, const bool* keep_p, const float* add_p, T* out) {
+  const int64_t group = H / Hkv;
+  const auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r % group != 0 && r != r0) continue;   // a key/value head shared by the query heads of its group
+      const int64_t b = r / H, hk = (r % H) / group;
+      if (k_t == D) prefetch_span(kp + b * k_b + hk * k_h, Tn * D);
+      if (v_t == D) prefetch_span(vp + b * v_b + hk * v_h, Tn * D);
+    }
+    std::vector<float> scratch(2 * D + Tn);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / H, h = r % H, hk = h / group;
+      decode_attention_row<T>(qp + b * q_b + h * q_h, kp + b * k_b + hk * k_h, vp + b * v_b + hk * v_h, k_t, v_t, D,
+                              Tn, scale, keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
+                              scratch.data(), scratch.data() + D + D, scratch.data() + D, out + (b * H + h) * D);
+    }
+  };
+  if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);
+  else at::parallel_for(0, B * H, 1, body);
+}
+
 // q [B, H, 1, D], k and v [B, Hkv, T, D] (any strides with a contiguous last dimension: the views a KV cache and a
 // fused Q/K/V output give), mask None, bool (true: attend) or additive float, broadcastable to [B, H, 1, T];
 // float32, bfloat16 or float16, all one dtype. Returns [B, 1, H, D] contiguous in that dtype (the layout transformers'
@@ -2164,28 +2196,14 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
     else add = mask->to(at::kFloat).expand({B, H, 1, Tn}).contiguous();
   }
   auto out = at::empty({B, 1, H, D}, q.options());
-  const int64_t group = H / Hkv;
-  const float scale = float(scaling);
   const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
   const float* add_p = add.defined() ? add.data_ptr<float>() : nullptr;
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-    const T* kp = reinterpret_cast<const T*>(k.data_ptr());
-    const T* vp = reinterpret_cast<const T*>(v.data_ptr());
-    T* op_ = reinterpret_cast<T*>(out.data_ptr());
-    const auto body = [&](int64_t r0, int64_t r1) {
-      std::vector<float> scratch(2 * D + Tn);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = r / H, h = r % H, hk = h / group;
-        decode_attention_row<T>(qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + hk * k.stride(1),
-                                vp + b * v.stride(0) + hk * v.stride(1), k.stride(2), v.stride(2), D, Tn, scale,
-                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
-                                scratch.data(), scratch.data() + D + D, scratch.data() + D, op_ + (b * H + h) * D);
-      }
-    };
-    if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);
-    else at::parallel_for(0, B * H, 1, body);
+    decode_attention_rows<T>(reinterpret_cast<const T*>(q.data_ptr()), q.stride(0), q.stride(1),
+                             reinterpret_cast<const T*>(k.data_ptr()), k.stride(0), k.stride(1), k.stride(2),
+                             reinterpret_cast<const T*>(v.data_ptr()), v.stride(0), v.stride(1), v.stride(2), B, H,
+                             Hkv, D, Tn, float(scaling), keep_p, add_p, reinterpret_cast<T*>(out.data_ptr()));
   };
   if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
   else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
@@ -2209,6 +2227,16 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
 // and lookup, the rotation with the roundings of its element-wise ops), so the layer's output is bit-identical to the
 // modules' (tests compare the two).
 
+// ATen's layer_norm over the last dimension of a CPU tensor, its CPU kernel called directly: at::layer_norm is
+// composite (it calls native_layer_norm through the dispatcher, which calls this), so the values are its values,
+// without two dispatches (a few microseconds each, more when the LM head's stream has evicted their code). For the
+// decode ops, which run below autograd (under CPU autocast, which casts layer_norm's inputs, the dispatched call).
+at::Tensor aten_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias, double eps) {
+  if (at::autocast::is_autocast_enabled(at::kCPU)) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  return std::get<0>(at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps));
+}
+
 // The block norm: "layernorm" (ATen's layer_norm, as nn.LayerNorm) or "rmsnorm" (MemoryFormerRMSNorm's ops).
 at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        double eps, c10::string_view kind) {
@@ -2220,7 +2248,7 @@ at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   TORCH_CHECK(kind == "layernorm", "memoryformer.decode_layer: unknown norm '", std::string(kind), "' (the config's "
               "norm_type takes 'layernorm' or 'rmsnorm')");
-  return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  return aten_layer_norm(x, weight, bias, eps);
 }
 
 // A Memory Layer on x [N, d] (contiguous): the hash and lookup ops (memory_ops.inference_lookup), or the hash and
@@ -2315,7 +2343,7 @@ at::Tensor block_step(const at::Tensor& x, const at::Tensor& attn, const at::Ten
   const auto h = steps.add(x, attn, false);
   auto y = steps.layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(), 1);
   if (gelu) y = at::gelu(y);
-  y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
+  y = aten_layer_norm(y, inner_weight, inner_bias, inner_eps).contiguous();
   return steps.add(h, steps.layer(y, 2), true);
 }
 
@@ -2358,7 +2386,7 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
 struct LeanScratch {
   std::vector<int64_t> rows;
   std::vector<float> scores;
-  at::Tensor qkv, y1, y2;   // reused by every layer of one call (shapes checked by lean_tables)
+  at::Tensor qkv, y1, y2, attn;   // reused by every layer of one call (shapes checked by lean_tables)
 };
 
 // Whether a Memory Layer of `in` inputs and `out` outputs runs lean: tables [K << tau, out] of `dtype`, contiguous,
@@ -2451,18 +2479,14 @@ at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Ten
 // written in place into the room past T, which no view of length T sees; else a new buffer of C = T + 1 +
 // max(64, (T + 1) / 4) positions gets the cache's values and the new position (a copy every 64 or more steps instead
 // of the whole cache on every step, as torch.cat costs).
-at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owned) {
+// grow_cache's growth once decided (`in_place` or a new buffer), the new position read from `src` (bytes; element
+// strides n_stride, h_stride and j_stride over [N, H, D]).
+at::Tensor grow_cache_from(const at::Tensor& cache, const char* src, int64_t n_stride, int64_t h_stride,
+                           int64_t j_stride, bool in_place) {
   const int64_t N = cache.size(0), H = cache.size(1), T = cache.size(2), D = cache.size(3);
   const int64_t esize = static_cast<int64_t>(cache.element_size());
-  TORCH_CHECK(part.dim() == 4 && part.size(0) == N && part.size(1) == H && part.size(2) == 1 && part.size(3) == D &&
-              part.scalar_type() == cache.scalar_type(), "memoryformer.decode_stack: a new key or value must be [",
-              N, ", ", H, ", 1, ", D, "] in the cache's dtype, got ", part.sizes());
-  const int64_t room = D > 0 ? cache.stride(1) / D : 0;   // positions per head the buffer holds
-  const bool in_place = owned && D > 0 && cache.stride(3) == 1 && cache.stride(2) == D && cache.stride(1) == room * D &&
-                        cache.stride(0) == H * room * D && room > T && cache.storage_offset() == 0 &&
-                        static_cast<int64_t>(cache.storage().nbytes()) >= N * H * room * D * esize;
   at::Tensor buffer;
-  int64_t C = room;
+  int64_t C = D > 0 ? cache.stride(1) / D : 0;
   if (in_place) {
     buffer = cache;
   } else {
@@ -2471,19 +2495,37 @@ at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owne
     buffer.narrow(2, 0, T).copy_(cache);
   }
   char* base = static_cast<char*>(buffer.data_ptr());
-  const char* src = static_cast<const char*>(part.data_ptr());
-  const bool dense_rows = part.stride(3) == 1;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
       char* dst = base + ((n * H + h) * C + T) * D * esize;
-      const char* from = src + (n * part.stride(0) + h * part.stride(1)) * esize;
-      if (dense_rows) {
+      const char* from = src + (n * n_stride + h * h_stride) * esize;
+      if (j_stride == 1) {
         std::memcpy(dst, from, D * esize);
       } else {
-        for (int64_t j = 0; j < D; ++j) std::memcpy(dst + j * esize, from + j * part.stride(3) * esize, esize);
+        for (int64_t j = 0; j < D; ++j) std::memcpy(dst + j * esize, from + j * j_stride * esize, esize);
       }
     }
   return buffer.as_strided({N, H, T + 1, D}, {H * C * D, C * D, D, 1}, 0);
+}
+
+// Whether grow_cache may write the new position of `cache` in place: `owned` (see grow_cache), a buffer of the layout
+// grow_cache makes ([N, H, C, D] contiguous, the view at its start) with room past T.
+bool grows_in_place(const at::Tensor& cache, bool owned) {
+  const int64_t N = cache.size(0), H = cache.size(1), T = cache.size(2), D = cache.size(3);
+  const int64_t room = D > 0 ? cache.stride(1) / D : 0;   // positions per head the buffer holds
+  return owned && D > 0 && cache.stride(3) == 1 && cache.stride(2) == D && cache.stride(1) == room * D &&
+         cache.stride(0) == H * room * D && room > T && cache.storage_offset() == 0 &&
+         static_cast<int64_t>(cache.storage().nbytes()) >= N * H * room * D * static_cast<int64_t>(cache.element_size());
+}
+
+at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owned) {
+  const int64_t N = cache.size(0), H = cache.size(1), D = cache.size(3);
+  TORCH_CHECK(part.dim() == 4 && part.size(0) == N && part.size(1) == H && part.size(2) == 1 && part.size(3) == D &&
+              part.scalar_type() == cache.scalar_type(), "memoryformer.decode_stack: a new key or value must be [",
+              N, ", ", H, ", 1, ", D, "] in the cache's dtype, got ", part.sizes());
+  const bool in_place = grows_in_place(cache, owned);
+  return grow_cache_from(cache, static_cast<const char*>(part.data_ptr()), part.stride(0), part.stride(1),
+                         part.stride(3), in_place);
 }
 
 // Every decoder layer of a decode step in one call, for a cache whose layers grow by concatenation (transformers'
@@ -2555,15 +2597,40 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
       qkv = decode_qkv_op(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), tables_qkv, tensor(t + 3),
                           ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin, num_heads);
     }
-    const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
     const bool own = !owned.empty() && owned[l] != 0;
     TORCH_CHECK(keys[l].dim() == 4 && values[l].sizes() == keys[l].sizes() && keys[l].size(0) == N &&
-                keys[l].size(1) == num_heads && keys[l].size(3) == D, op, ": layer ", l, "'s keys and values must be [",
-                N, ", ", num_heads, ", T, ", D, "], got ", keys[l].sizes(), " and ", values[l].sizes());
-    new_keys.push_back(grow_cache(keys[l], parts[1], own));
-    new_values.push_back(grow_cache(values[l], parts[2], own));
-    const auto attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
-                          .reshape({N, 1, d}).contiguous().view({N, d});
+                keys[l].size(1) == num_heads && keys[l].size(3) == D && keys[l].scalar_type() == dtype &&
+                values[l].scalar_type() == dtype, op, ": layer ", l, "'s keys and values must be [", N, ", ",
+                num_heads, ", T, ", D, "] in x's dtype ", dtype, ", got ", keys[l].sizes(), " ",
+                keys[l].scalar_type(), " and ", values[l].sizes(), " ", values[l].scalar_type());
+    at::Tensor attn;
+    if (lean && !(mask.has_value() && mask->defined())) {
+      // qkv [N, 3, heads, D] (contiguous) read in place: the new keys and values grown into the cache, the attention
+      // written into the scratch [N, d] ([N, 1, heads, D] as decode_attention gives it): the values of the op path
+      // below, without its views and checks.
+      const char* src = static_cast<const char*>(qkv.data_ptr());
+      const int64_t esize = static_cast<int64_t>(qkv.element_size());
+      new_keys.push_back(grow_cache_from(keys[l], src + d * esize, 3 * d, D, 1, grows_in_place(keys[l], own)));
+      new_values.push_back(grow_cache_from(values[l], src + 2 * d * esize, 3 * d, D, 1, grows_in_place(values[l], own)));
+      if (!scratch.attn.defined()) scratch.attn = at::empty({N, d}, x.options());
+      attn = scratch.attn;
+      const at::Tensor &k = new_keys.back(), &v = new_values.back();
+      auto run = [&](auto* tag) {   // the dtypes the lean layer runs
+        using T = std::remove_pointer_t<decltype(tag)>;
+        decode_attention_rows<T>(qkv.data_ptr<T>(), 3 * d, D, k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
+                                 v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), N, num_heads, num_heads, D,
+                                 k.size(2), float(scaling), nullptr, nullptr, attn.data_ptr<T>());
+      };
+      if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
+      else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+      else run(static_cast<c10::Half*>(nullptr));
+    } else {
+      const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
+      new_keys.push_back(grow_cache(keys[l], parts[1], own));
+      new_values.push_back(grow_cache(values[l], parts[2], own));
+      attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
+                 .reshape({N, 1, d}).contiguous().view({N, d});
+    }
     if (lean)
       h = lean_block(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
                      ints[i + 4] != 0, tables1, tensor(t + 7), ints[i + 5], ints[i + 6] != 0, required(t + 8),

@@ -141,6 +141,36 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
 // head is summed by one thread in its own order either way: the same bits.
 constexpr int64_t kAttentionSerialWork = 1 << 14;
 
+// The decode attention of B sequences x H query heads (Hkv key/value heads, H a multiple of it) over Tn positions,
+// from pointers and element strides (q [B, H, D] by q_b and q_h; k and v [B, Hkv, Tn, D] by their batch, head and
+// position strides; keep and add [B * H, Tn] or null), out [B, H, D] contiguous: decode_attention_row per (b, h),
+// over the threads where the work is worth it. A thread first prefetches the keys and values of its rows (each a
+// span of Tn * D values where the positions are dense): cold after the LM head's stream, they then arrive together
+// instead of one head's after another's.
+template <typename T>
+void decode_attention_rows(const T* qp, int64_t q_b, int64_t q_h, const T* kp, int64_t k_b, int64_t k_h, int64_t k_t,
+                           const T* vp, int64_t v_b, int64_t v_h, int64_t v_t, int64_t B, int64_t H, int64_t Hkv,
+                           int64_t D, int64_t Tn, float scale, const bool* keep_p, const float* add_p, T* out) {
+  const int64_t group = H / Hkv;
+  const auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r % group != 0 && r != r0) continue;   // a key/value head shared by the query heads of its group
+      const int64_t b = r / H, hk = (r % H) / group;
+      if (k_t == D) prefetch_span(kp + b * k_b + hk * k_h, Tn * D);
+      if (v_t == D) prefetch_span(vp + b * v_b + hk * v_h, Tn * D);
+    }
+    std::vector<float> scratch(2 * D + Tn);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / H, h = r % H, hk = h / group;
+      decode_attention_row<T>(qp + b * q_b + h * q_h, kp + b * k_b + hk * k_h, vp + b * v_b + hk * v_h, k_t, v_t, D,
+                              Tn, scale, keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
+                              scratch.data(), scratch.data() + D + D, scratch.data() + D, out + (b * H + h) * D);
+    }
+  };
+  if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);
+  else at::parallel_for(0, B * H, 1, body);
+}
+
 // q [B, H, 1, D], k and v [B, Hkv, T, D] (any strides with a contiguous last dimension: the views a KV cache and a
 // fused Q/K/V output give), mask None, bool (true: attend) or additive float, broadcastable to [B, H, 1, T];
 // float32, bfloat16 or float16, all one dtype. Returns [B, 1, H, D] contiguous in that dtype (the layout transformers'
@@ -178,28 +208,14 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
     else add = mask->to(at::kFloat).expand({B, H, 1, Tn}).contiguous();
   }
   auto out = at::empty({B, 1, H, D}, q.options());
-  const int64_t group = H / Hkv;
-  const float scale = float(scaling);
   const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
   const float* add_p = add.defined() ? add.data_ptr<float>() : nullptr;
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-    const T* kp = reinterpret_cast<const T*>(k.data_ptr());
-    const T* vp = reinterpret_cast<const T*>(v.data_ptr());
-    T* op_ = reinterpret_cast<T*>(out.data_ptr());
-    const auto body = [&](int64_t r0, int64_t r1) {
-      std::vector<float> scratch(2 * D + Tn);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = r / H, h = r % H, hk = h / group;
-        decode_attention_row<T>(qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + hk * k.stride(1),
-                                vp + b * v.stride(0) + hk * v.stride(1), k.stride(2), v.stride(2), D, Tn, scale,
-                                keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
-                                scratch.data(), scratch.data() + D + D, scratch.data() + D, op_ + (b * H + h) * D);
-      }
-    };
-    if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);
-    else at::parallel_for(0, B * H, 1, body);
+    decode_attention_rows<T>(reinterpret_cast<const T*>(q.data_ptr()), q.stride(0), q.stride(1),
+                             reinterpret_cast<const T*>(k.data_ptr()), k.stride(0), k.stride(1), k.stride(2),
+                             reinterpret_cast<const T*>(v.data_ptr()), v.stride(0), v.stride(1), v.stride(2), B, H,
+                             Hkv, D, Tn, float(scaling), keep_p, add_p, reinterpret_cast<T*>(out.data_ptr()));
   };
   if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
   else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));

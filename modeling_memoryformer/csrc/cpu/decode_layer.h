@@ -14,6 +14,16 @@
 // and lookup, the rotation with the roundings of its element-wise ops), so the layer's output is bit-identical to the
 // modules' (tests compare the two).
 
+// ATen's layer_norm over the last dimension of a CPU tensor, its CPU kernel called directly: at::layer_norm is
+// composite (it calls native_layer_norm through the dispatcher, which calls this), so the values are its values,
+// without two dispatches (a few microseconds each, more when the LM head's stream has evicted their code). For the
+// decode ops, which run below autograd (under CPU autocast, which casts layer_norm's inputs, the dispatched call).
+at::Tensor aten_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias, double eps) {
+  if (at::autocast::is_autocast_enabled(at::kCPU)) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  return std::get<0>(at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps));
+}
+
 // The block norm: "layernorm" (ATen's layer_norm, as nn.LayerNorm) or "rmsnorm" (MemoryFormerRMSNorm's ops).
 at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        double eps, c10::string_view kind) {
@@ -25,7 +35,7 @@ at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   TORCH_CHECK(kind == "layernorm", "memoryformer.decode_layer: unknown norm '", std::string(kind), "' (the config's "
               "norm_type takes 'layernorm' or 'rmsnorm')");
-  return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+  return aten_layer_norm(x, weight, bias, eps);
 }
 
 // A Memory Layer on x [N, d] (contiguous): the hash and lookup ops (memory_ops.inference_lookup), or the hash and
@@ -120,7 +130,7 @@ at::Tensor block_step(const at::Tensor& x, const at::Tensor& attn, const at::Ten
   const auto h = steps.add(x, attn, false);
   auto y = steps.layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(), 1);
   if (gelu) y = at::gelu(y);
-  y = at::layer_norm(y, {y.size(-1)}, inner_weight, inner_bias, inner_eps).contiguous();
+  y = aten_layer_norm(y, inner_weight, inner_bias, inner_eps).contiguous();
   return steps.add(h, steps.layer(y, 2), true);
 }
 
@@ -163,7 +173,7 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
 struct LeanScratch {
   std::vector<int64_t> rows;
   std::vector<float> scores;
-  at::Tensor qkv, y1, y2;   // reused by every layer of one call (shapes checked by lean_tables)
+  at::Tensor qkv, y1, y2, attn;   // reused by every layer of one call (shapes checked by lean_tables)
 };
 
 // Whether a Memory Layer of `in` inputs and `out` outputs runs lean: tables [K << tau, out] of `dtype`, contiguous,
@@ -256,18 +266,14 @@ at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Ten
 // written in place into the room past T, which no view of length T sees; else a new buffer of C = T + 1 +
 // max(64, (T + 1) / 4) positions gets the cache's values and the new position (a copy every 64 or more steps instead
 // of the whole cache on every step, as torch.cat costs).
-at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owned) {
+// grow_cache's growth once decided (`in_place` or a new buffer), the new position read from `src` (bytes; element
+// strides n_stride, h_stride and j_stride over [N, H, D]).
+at::Tensor grow_cache_from(const at::Tensor& cache, const char* src, int64_t n_stride, int64_t h_stride,
+                           int64_t j_stride, bool in_place) {
   const int64_t N = cache.size(0), H = cache.size(1), T = cache.size(2), D = cache.size(3);
   const int64_t esize = static_cast<int64_t>(cache.element_size());
-  TORCH_CHECK(part.dim() == 4 && part.size(0) == N && part.size(1) == H && part.size(2) == 1 && part.size(3) == D &&
-              part.scalar_type() == cache.scalar_type(), "memoryformer.decode_stack: a new key or value must be [",
-              N, ", ", H, ", 1, ", D, "] in the cache's dtype, got ", part.sizes());
-  const int64_t room = D > 0 ? cache.stride(1) / D : 0;   // positions per head the buffer holds
-  const bool in_place = owned && D > 0 && cache.stride(3) == 1 && cache.stride(2) == D && cache.stride(1) == room * D &&
-                        cache.stride(0) == H * room * D && room > T && cache.storage_offset() == 0 &&
-                        static_cast<int64_t>(cache.storage().nbytes()) >= N * H * room * D * esize;
   at::Tensor buffer;
-  int64_t C = room;
+  int64_t C = D > 0 ? cache.stride(1) / D : 0;
   if (in_place) {
     buffer = cache;
   } else {
@@ -276,19 +282,37 @@ at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owne
     buffer.narrow(2, 0, T).copy_(cache);
   }
   char* base = static_cast<char*>(buffer.data_ptr());
-  const char* src = static_cast<const char*>(part.data_ptr());
-  const bool dense_rows = part.stride(3) == 1;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
       char* dst = base + ((n * H + h) * C + T) * D * esize;
-      const char* from = src + (n * part.stride(0) + h * part.stride(1)) * esize;
-      if (dense_rows) {
+      const char* from = src + (n * n_stride + h * h_stride) * esize;
+      if (j_stride == 1) {
         std::memcpy(dst, from, D * esize);
       } else {
-        for (int64_t j = 0; j < D; ++j) std::memcpy(dst + j * esize, from + j * part.stride(3) * esize, esize);
+        for (int64_t j = 0; j < D; ++j) std::memcpy(dst + j * esize, from + j * j_stride * esize, esize);
       }
     }
   return buffer.as_strided({N, H, T + 1, D}, {H * C * D, C * D, D, 1}, 0);
+}
+
+// Whether grow_cache may write the new position of `cache` in place: `owned` (see grow_cache), a buffer of the layout
+// grow_cache makes ([N, H, C, D] contiguous, the view at its start) with room past T.
+bool grows_in_place(const at::Tensor& cache, bool owned) {
+  const int64_t N = cache.size(0), H = cache.size(1), T = cache.size(2), D = cache.size(3);
+  const int64_t room = D > 0 ? cache.stride(1) / D : 0;   // positions per head the buffer holds
+  return owned && D > 0 && cache.stride(3) == 1 && cache.stride(2) == D && cache.stride(1) == room * D &&
+         cache.stride(0) == H * room * D && room > T && cache.storage_offset() == 0 &&
+         static_cast<int64_t>(cache.storage().nbytes()) >= N * H * room * D * static_cast<int64_t>(cache.element_size());
+}
+
+at::Tensor grow_cache(const at::Tensor& cache, const at::Tensor& part, bool owned) {
+  const int64_t N = cache.size(0), H = cache.size(1), D = cache.size(3);
+  TORCH_CHECK(part.dim() == 4 && part.size(0) == N && part.size(1) == H && part.size(2) == 1 && part.size(3) == D &&
+              part.scalar_type() == cache.scalar_type(), "memoryformer.decode_stack: a new key or value must be [",
+              N, ", ", H, ", 1, ", D, "] in the cache's dtype, got ", part.sizes());
+  const bool in_place = grows_in_place(cache, owned);
+  return grow_cache_from(cache, static_cast<const char*>(part.data_ptr()), part.stride(0), part.stride(1),
+                         part.stride(3), in_place);
 }
 
 // Every decoder layer of a decode step in one call, for a cache whose layers grow by concatenation (transformers'
@@ -360,15 +384,40 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
       qkv = decode_qkv_op(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), tables_qkv, tensor(t + 3),
                           ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin, num_heads);
     }
-    const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
     const bool own = !owned.empty() && owned[l] != 0;
     TORCH_CHECK(keys[l].dim() == 4 && values[l].sizes() == keys[l].sizes() && keys[l].size(0) == N &&
-                keys[l].size(1) == num_heads && keys[l].size(3) == D, op, ": layer ", l, "'s keys and values must be [",
-                N, ", ", num_heads, ", T, ", D, "], got ", keys[l].sizes(), " and ", values[l].sizes());
-    new_keys.push_back(grow_cache(keys[l], parts[1], own));
-    new_values.push_back(grow_cache(values[l], parts[2], own));
-    const auto attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
-                          .reshape({N, 1, d}).contiguous().view({N, d});
+                keys[l].size(1) == num_heads && keys[l].size(3) == D && keys[l].scalar_type() == dtype &&
+                values[l].scalar_type() == dtype, op, ": layer ", l, "'s keys and values must be [", N, ", ",
+                num_heads, ", T, ", D, "] in x's dtype ", dtype, ", got ", keys[l].sizes(), " ",
+                keys[l].scalar_type(), " and ", values[l].sizes(), " ", values[l].scalar_type());
+    at::Tensor attn;
+    if (lean && !(mask.has_value() && mask->defined())) {
+      // qkv [N, 3, heads, D] (contiguous) read in place: the new keys and values grown into the cache, the attention
+      // written into the scratch [N, d] ([N, 1, heads, D] as decode_attention gives it): the values of the op path
+      // below, without its views and checks.
+      const char* src = static_cast<const char*>(qkv.data_ptr());
+      const int64_t esize = static_cast<int64_t>(qkv.element_size());
+      new_keys.push_back(grow_cache_from(keys[l], src + d * esize, 3 * d, D, 1, grows_in_place(keys[l], own)));
+      new_values.push_back(grow_cache_from(values[l], src + 2 * d * esize, 3 * d, D, 1, grows_in_place(values[l], own)));
+      if (!scratch.attn.defined()) scratch.attn = at::empty({N, d}, x.options());
+      attn = scratch.attn;
+      const at::Tensor &k = new_keys.back(), &v = new_values.back();
+      auto run = [&](auto* tag) {   // the dtypes the lean layer runs
+        using T = std::remove_pointer_t<decltype(tag)>;
+        decode_attention_rows<T>(qkv.data_ptr<T>(), 3 * d, D, k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
+                                 v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), N, num_heads, num_heads, D,
+                                 k.size(2), float(scaling), nullptr, nullptr, attn.data_ptr<T>());
+      };
+      if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
+      else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+      else run(static_cast<c10::Half*>(nullptr));
+    } else {
+      const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
+      new_keys.push_back(grow_cache(keys[l], parts[1], own));
+      new_values.push_back(grow_cache(values[l], parts[2], own));
+      attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
+                 .reshape({N, 1, d}).contiguous().view({N, d});
+    }
     if (lean)
       h = lean_block(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
                      ints[i + 4] != 0, tables1, tensor(t + 7), ints[i + 5], ints[i + 6] != 0, required(t + 8),

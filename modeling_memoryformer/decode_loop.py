@@ -168,17 +168,21 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
     quiet = _transformers_own(logits_processor, *logits_processor, stopping_criteria, *stopping_criteria,
                               *([streamer] if streamer is not None else []))
     session = None
+    pending = 0  # columns of ones the mask has yet to grow by
     optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
     try:
         with optimized():
             while True:
-                if logits is None:  # a decode step: the last tokens at the next positions
-                    step = input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
+                if logits is None:  # a decode step: the last tokens (input_ids[:, -1:]) at the next positions
+                    step = next_tokens.view(-1, 1)
                     direct = own_forward and unhooked(self)  # else the module call, with its hooks
                     hidden = session.step(step, positions, top) if session is not None and direct else None
                     if session is not None and hidden is None:
                         session.close()
                         session = None
+                    if hidden is None and pending:  # the paths below read the mask: its columns of ones now
+                        mask = torch.cat([mask, mask.new_ones((mask.shape[0], pending))], dim=-1)
+                        pending = 0
                     if hidden is None and direct:
                         run = decode_stack_run(self, step, mask, positions, cache, None, None, {})
                         if run is not None:
@@ -193,8 +197,8 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                                        logits_to_keep=keep, return_dict=True, **{cache_name: cache})
                         logits = outputs.logits[:, -1]
                         del outputs
-                    if mask is not None:
-                        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+                    if mask is not None:  # grows by a column of ones, added where a step reads it (the session's
+                        pending += 1      # steps do not: it is all ones)
                     positions = positions + 1
                     top += 1
                 if generation_config.do_sample or len(logits_processor):

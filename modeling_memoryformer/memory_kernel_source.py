@@ -1846,9 +1846,10 @@ at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, cons
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
 // Sums of one block: R weight rows [w, w + R * D) against M rows of x, each reduced to a float after its vector
-// chain (then the D % kLanes tail, then the bias). T: float32, or bfloat16 widened in registers.
-template <int64_t M, int64_t R, typename T>
-inline void linear_rows_block(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V,
+// chain (then the D % kLanes tail, then the bias) and stored in y's dtype O (float32, or bfloat16 rounded once, as
+// the float32 sum's .to(bfloat16)). T: float32, or bfloat16 widened in registers.
+template <int64_t M, int64_t R, typename T, typename O>
+inline void linear_rows_block(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V,
                               int64_t v, const T* w_end) {
   constexpr int64_t L = kLanes;
   constexpr int64_t B = R * L * int64_t(sizeof(T));   // bytes of weight one step of j reads
@@ -1885,15 +1886,19 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, float*
     for (int64_t r = 0; r < R; ++r) {
       float sum = at::vec::vec_reduce_all<float>(add, sums[m * R + r]);
       for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(w[r * D + j]);
-      y[m * V + v + r] = b ? sum + b[v + r] : sum;
+      y[m * V + v + r] = static_cast<O>(b ? sum + b[v + r] : sum);
     }
 }
 
-// T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x, b and y float32.
-template <int64_t M, typename T>
-void linear_rows_kernel(const float* x, const T* w, const float* b, float* y, int64_t D, int64_t V) {
+// T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x and b float32, y
+// float32 or T. Each thread writes the outputs of its own weight rows (kLinearGrain per chunk, the split argmax_rows
+// repeats).
+constexpr int64_t kLinearGrain = 1024;
+
+template <int64_t M, typename T, typename O>
+void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V) {
   constexpr int64_t R = M == 1 ? 8 : M == 2 ? 4 : 2;   // weight rows per block: M x R chains
-  at::parallel_for(0, V, 1024, [=](int64_t v0, int64_t v1) {
+  at::parallel_for(0, V, kLinearGrain, [=](int64_t v0, int64_t v1) {
     int64_t v = v0;
     const T* end = w + v1 * D;
     for (; v + R <= v1; v += R) linear_rows_block<M, R>(x, w + v * D, b, y, D, V, v, end);
@@ -1902,7 +1907,8 @@ void linear_rows_kernel(const float* x, const T* w, const float* b, float* y, in
 }
 
 // y = x W^T (+ b) for x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V], all float32 or all bfloat16 (see
-// linear_rows_kernel): sums in float32, y in their dtype (bfloat16: rounded once, as F.linear).
+// linear_rows_kernel): sums in float32, y in their dtype (bfloat16: rounded once, as F.linear), each thread storing
+// its own outputs (a float32 y converted afterwards was a second pass over the logits, its halves on the other core).
 at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "linear_rows";
   check_cpu_contiguous(x, op, "x");
@@ -1924,11 +1930,12 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
     b = bias->to(at::kFloat);
   }
   auto xf = x.to(at::kFloat);
-  auto y = at::empty({M, V}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, V}, x.options());
   const float* xp = xf.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
   auto run = [&](auto* wp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+    T* yp = y.data_ptr<T>();
     switch (M) {
       case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V); break;
       case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V); break;
@@ -1938,7 +1945,7 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
   };
   if (dtype == at::kFloat) run(weight.data_ptr<float>());
   else run(weight.data_ptr<c10::BFloat16>());
-  return dtype == at::kFloat ? y : y.to(dtype);
+  return y;
 }
 
 // ------------------------------------------------------------------------------------------------ argmax of rows
@@ -1968,6 +1975,30 @@ int64_t argmax_row(const T* p, int64_t V) {
   return 0;   // not reached: best is one of the values
 }
 
+// argmax_row over p[0, V) as the threads split it: each chunk of at::parallel_for(0, V, kLinearGrain) (the split of
+// the few-row pass, so that each thread reads the logits it wrote, from its own caches) finds its first largest,
+// and the chunks' answers are combined in order: the first NaN, else the first of the largest (a later chunk only
+// where strictly larger). On one thread, or a row of under 2 * kLinearGrain, argmax_row itself.
+template <typename T>
+int64_t argmax_row_split(const T* p, int64_t V) {
+  if (V < 2 * kLinearGrain || at::get_num_threads() == 1 || at::in_parallel_region()) return argmax_row(p, V);
+  std::mutex mutex;
+  std::vector<std::pair<int64_t, int64_t>> found;   // (chunk start, its answer)
+  at::parallel_for(0, V, kLinearGrain, [&](int64_t v0, int64_t v1) {
+    const int64_t i = v0 + argmax_row(p + v0, v1 - v0);
+    std::lock_guard<std::mutex> lock(mutex);
+    found.emplace_back(v0, i);
+  });
+  std::sort(found.begin(), found.end());
+  int64_t best = found[0].second;
+  for (size_t c = 1; c < found.size(); ++c) {
+    const float b = float(p[best]), v = float(p[found[c].second]);
+    if (b != b) break;                     // a NaN: nothing later comes first
+    if (v != v || v > b) best = found[c].second;
+  }
+  return best;
+}
+
 at::Tensor argmax_rows_op(const at::Tensor& x) {
   check_cpu_contiguous(x, "argmax_rows", "x");
   const auto dtype = x.scalar_type();
@@ -1978,7 +2009,7 @@ at::Tensor argmax_rows_op(const at::Tensor& x) {
   auto out = at::empty({N}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   auto rows = [&](const auto* p) {
-    for (int64_t n = 0; n < N; ++n) o[n] = argmax_row(p + n * V, V);
+    for (int64_t n = 0; n < N; ++n) o[n] = argmax_row_split(p + n * V, V);
   };
   if (dtype == at::kFloat) rows(x.data_ptr<float>());
   else if (dtype == at::kBFloat16) rows(x.data_ptr<c10::BFloat16>());

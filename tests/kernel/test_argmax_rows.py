@@ -69,3 +69,35 @@ def test_bad_input_is_refused_with_the_shape_and_dtype():
         fused(torch.zeros(2, 0))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         fused(torch.zeros(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_split_over_the_threads_gives_torchs_index(dtype):
+    """Rows of 50304 and 5000 columns, which the op splits over the threads at the few-row pass's chunks (1024 columns
+    at a time, each thread a contiguous range): the largest value at a chunk's edges, tied across the split (the
+    first wins), a NaN in the second half only, in both halves, and a row the first half of which is all -inf."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs two threads (set here for any machine)
+    try:
+        check_split_rows(dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_split_rows(dtype):
+    nan, inf = float("nan"), float("inf")
+    for width in (50304, 5000):
+        half = (width + 1) // 2  # where at::parallel_for's two chunks meet
+        rows = torch.randn(8, width, generator=torch.Generator().manual_seed(width))
+        rows[0, half] = 50.0                                    # the largest is the second chunk's first value
+        rows[1, half - 1] = 50.0                                # the first chunk's last value
+        rows[2, 3], rows[2, half + 5] = 60.0, 60.0              # tied across the chunks: the first chunk's
+        rows[3, half + 7] = nan                                 # a NaN in the second chunk only
+        rows[4, half + 1], rows[4, 9] = nan, nan                # NaN in both: the first
+        rows[5, :half] = -inf                                   # the first chunk all -inf
+        rows[6, :] = -inf                                       # all -inf: index 0
+        rows[7, width - 1] = inf                                # +inf at the end
+        x = rows.to(dtype)
+        got, want = fused(x), torch.argmax(x, dim=-1)
+        assert torch.equal(got, want), (width, got.tolist(), want.tolist())
+        assert got[:5].tolist() == [half, half - 1, 3, half + 7, 9]

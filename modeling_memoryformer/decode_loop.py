@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.generation.stopping_criteria import MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .decode_layer import _CPU_KEYS, _ROOM, DynamicLayer, decode_stack_run, fused_ops, unhooked
 from .memory_ops import argmax_rows
@@ -131,12 +131,34 @@ class _StackSession:
             self.ok = False
 
 
-def _criteria_undecided(stopping_criteria, length: int) -> bool:
-    """Whether every stopping criterion is a `MaxLengthCriteria` that says False at this length without a word
-    (then the list's answer is all False, without its calls' five small tensor ops)."""
-    return all(type(c) is MaxLengthCriteria and length < c.max_length
-               and (c.max_position_embeddings is None or length <= c.max_position_embeddings)
-               for c in stopping_criteria)
+def _eos_ids(stopping_criteria) -> frozenset | None:
+    """The token ids of every `EosTokenCriteria` in the list, read once for a loop in which only transformers' own
+    callbacks run (nothing changes them between steps), or None where another kind of criterion is in it."""
+    ids = set()
+    for c in stopping_criteria:
+        if type(c) is EosTokenCriteria:
+            ids.update(torch.as_tensor(c.eos_token_id).view(-1).tolist())
+        elif type(c) is not MaxLengthCriteria:
+            return None
+    return frozenset(ids)
+
+
+def _criteria_undecided(stopping_criteria, length: int, eos_ids: frozenset | None, next_tokens) -> bool:
+    """Whether every stopping criterion says False at this length without a word: a `MaxLengthCriteria` below its
+    length, an `EosTokenCriteria` (its ids in `eos_ids`, else it is called) where no sequence's new token is one of
+    them (each checks the last token of every sequence). Then the list's answer is all False, without its calls'
+    small tensor ops (about 0.2 ms a step on 2 cores right after the LM head)."""
+    eos = False
+    for c in stopping_criteria:
+        if type(c) is MaxLengthCriteria:
+            if not (length < c.max_length
+                    and (c.max_position_embeddings is None or length <= c.max_position_embeddings)):
+                return False
+        elif type(c) is EosTokenCriteria and eos_ids is not None:
+            eos = True
+        else:
+            return False
+    return not eos or eos_ids.isdisjoint(next_tokens.tolist())
 
 
 def sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False,
@@ -167,6 +189,7 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
     own_forward = type(self).forward is owner.__dict__.get("forward")
     quiet = _transformers_own(logits_processor, *logits_processor, stopping_criteria, *stopping_criteria,
                               *([streamer] if streamer is not None else []))
+    eos_ids = _eos_ids(stopping_criteria) if quiet else None  # a callback of one's own might change them
     session = None
     pending = 0  # columns of ones the mask has yet to grow by
     optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
@@ -215,7 +238,7 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                 if has_eos_stopping_criteria and not all_unfinished:  # else the same tokens
                     next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-                if not _criteria_undecided(stopping_criteria, input_ids.shape[1]):
+                if not _criteria_undecided(stopping_criteria, input_ids.shape[1], eos_ids, next_tokens):
                     unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, None)
                     all_unfinished = bool(unfinished_sequences.all())
                 if streamer is not None:

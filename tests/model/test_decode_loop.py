@@ -124,6 +124,32 @@ def test_eos_pads_finished_sequences_and_stops_as_the_standard_loop(monkeypatch)
     assert generate(model, UNPADDED, max_new_tokens=12, eos_token_id=eos_both).shape[1] < UNPADDED.shape[1] + 12
 
 
+
+def test_an_eos_not_generated_calls_no_criterion_until_one_is(monkeypatch):
+    """EOS ids (the default of a model with an eos_token_id) that no new token is: the loop decides the stopping
+    criteria from the tokens (no call, no tensor op), and calls them at a step where a sequence's new token is one
+    of them, and at the last, where the maximum length decides."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    model = tiny_model(attn_implementation="sdpa")
+    free = generate(model, UNPADDED, max_new_tokens=12)
+    new = free[:, UNPADDED.shape[1]:]
+    calls = []
+    original = EosTokenCriteria.__call__
+    monkeypatch.setattr(EosTokenCriteria, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    unused = next(t for t in range(model.config.vocab_size) if t not in free.tolist()[0] + free.tolist()[1])
+    # called once: at the last step, where the maximum length decides
+    assert torch.equal(generate(model, UNPADDED, max_new_tokens=12, eos_token_id=unused), free) and calls == [1]
+    calls.clear()
+    eos = int(new[1, 5])  # the second sequence's sixth new token, which the first does not generate before it
+    out = generate(model, UNPADDED, max_new_tokens=12, eos_token_id=eos)
+    steps = out[:, UNPADDED.shape[1]:].T.tolist()  # each step's new tokens (a finished sequence's padded)
+    decided = {i for i, tokens in enumerate(steps) if eos in tokens} | {len(steps) - 1}  # an EOS, the last step
+    assert len(calls) == len(decided) >= 2 and out.shape[1] == UNPADDED.shape[1] + 12
+    monkeypatch.undo()
+    standard_loop(monkeypatch)
+    assert torch.equal(generate(model, UNPADDED, max_new_tokens=12, eos_token_id=eos), out)
+
 def test_processors_and_warpers_see_the_same_inputs(monkeypatch):
     model = tiny_model(attn_implementation="sdpa")
     options = dict(do_sample=True, top_k=5, temperature=0.8, repetition_penalty=1.3, no_repeat_ngram_size=2,

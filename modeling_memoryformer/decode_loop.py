@@ -71,9 +71,11 @@ class _StackSession:
     nothing of the model, so the checks' answer stands and each step is the same calls on the same operands, without
     the 0.2-0.5 ms of Python that derive them again (the plan's check over every submodule and parameter, the module
     calls of the embedding, dropout, rotary embedding and final norm). It holds the KV views the last call returned,
-    which the next call grows in place (the `_ROOM` marks are moved to them when the session closes)."""
+    which the next call grows in place (the `_ROOM` marks are moved to them when the session closes). Where every
+    sequence is at the same position (`same`: no padding), a step reads the rotary rows of `top` alone, as views of
+    the table, and the loop need not advance the positions tensor while the session runs."""
 
-    def __init__(self, lm, cache, batch: int):
+    def __init__(self, lm, cache, batch: int, positions: torch.Tensor, top: int):
         self.ok = False
         model = lm.model
         embed, dropout, rotary, norm = (model._modules.get(name) for name in
@@ -95,6 +97,8 @@ class _StackSession:
         self.vocab = embed.num_embeddings
         tensors, floats, ints, heads, scaling, _head_dim, count = plan.stack
         self.operands = (heads, scaling, tensors, floats, ints, [1] * count)
+        self.same = bool(positions.eq(top).all())
+        self.cos_rows, self.sin_rows = self.cos[:, None, None], self.sin[:, None, None]  # [positions, 1, 1, r]
         self.ok = True
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, top: int):
@@ -109,16 +113,22 @@ class _StackSession:
             return None  # the module path raises its error
         batch = len(tokens)
         x = F.embedding(ids, self.embed)  # nn.Embedding's forward (no max_norm); the dropout is off
-        rows = positions.view(-1)
-        shape = (batch, 1, self.cos.shape[-1])
-        cos, sin = self.cos.index_select(0, rows).view(shape), self.sin.index_select(0, rows).view(shape)
+        if self.same:  # every sequence at `top` (positions may lag behind: the loop does not advance them)
+            cos, sin = self.cos_rows[top], self.sin_rows[top]
+        else:
+            rows = positions.view(-1)
+            shape = (batch, 1, self.cos.shape[-1])
+            cos, sin = self.cos.index_select(0, rows).view(shape), self.sin.index_select(0, rows).view(shape)
         heads, scaling, tensors, floats, ints, owned = self.operands
         out, self.keys, self.values = fused_ops().decode_stack.default.redispatch(
             _CPU_KEYS, x.view(batch, -1), self.keys, self.values, None, cos, sin, heads, scaling, tensors, floats, ints,
             owned)
         for layer, key, value in zip(layers, self.keys, self.values):
             layer.keys, layer.values = key, value
-        return type(self.norm).forward(self.norm, out.view(batch, 1, -1))
+        norm = self.norm
+        if type(norm) is nn.LayerNorm:  # its forward's F.layer_norm, without the Python around it
+            return torch.layer_norm(out.view(batch, 1, -1), norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        return type(norm).forward(norm, out.view(batch, 1, -1))
 
     def close(self) -> None:
         """Moves the `_ROOM` marks from the views the session started from to the ones its last call returned (the
@@ -192,6 +202,7 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
     eos_ids = _eos_ids(stopping_criteria) if quiet else None  # a callback of one's own might change them
     session = None
     pending = 0  # columns of ones the mask has yet to grow by
+    lag = 0  # steps the positions have yet to advance by
     optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
     try:
         with optimized():
@@ -206,12 +217,14 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                     if hidden is None and pending:  # the paths below read the mask: its columns of ones now
                         mask = torch.cat([mask, mask.new_ones((mask.shape[0], pending))], dim=-1)
                         pending = 0
+                    if hidden is None and lag:  # and the positions
+                        positions, lag = positions + lag, 0
                     if hidden is None and direct:
                         run = decode_stack_run(self, step, mask, positions, cache, None, None, {})
                         if run is not None:
                             hidden = run[0]
                             if quiet and ones:
-                                session = _StackSession(self, cache, step.shape[0])
+                                session = _StackSession(self, cache, step.shape[0], positions, top)
                                 session = session if session.ok else None
                     if hidden is not None:
                         logits = self.lm_head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
@@ -222,8 +235,9 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                         del outputs
                     if mask is not None:  # grows by a column of ones, added where a step reads it (the session's
                         pending += 1      # steps do not: it is all ones)
-                    positions = positions + 1
-                    top += 1
+                    top, lag = top + 1, lag + 1  # the positions advance by one, where a step reads them
+                    if session is None or not session.same:
+                        positions, lag = positions + lag, 0
                 if generation_config.do_sample or len(logits_processor):
                     next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)
                     next_token_scores = logits_processor(input_ids, next_token_logits)

@@ -306,3 +306,12 @@ def test_the_text_generation_pipeline_runs_on_the_loops_session(monkeypatch):
     modules_only(monkeypatch)
     slow = pipeline("text-generation", model=model, tokenizer=tokenizer)(text, max_new_tokens=NEW, do_sample=False)
     assert fast[0]["generated_text"] == slow[0]["generated_text"]
+
+
+def test_sequences_at_different_positions_under_an_all_ones_mask(monkeypatch):
+    """Position ids of one's own (the second sequence 5 positions on) with no padding: the session's steps read each
+    sequence's rotary rows (the rows of one position serve only where every sequence is at it), as the standard loop."""
+    model = tiny_model(attn_implementation="sdpa")
+    positions = torch.arange(UNPADDED.shape[1]).repeat(2, 1) + torch.tensor([[0], [5]])
+    counts = same_as_standard(model, monkeypatch, UNPADDED, position_ids=positions)
+    assert counts == {"loop": 1, "session": NEW - 2, "stack": 1}

@@ -203,6 +203,7 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
     session = None
     pending = 0  # columns of ones the mask has yet to grow by
     lag = 0  # steps the positions have yet to advance by
+    next_tokens = None  # the last step's picks, which the next decode step reads
     optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
     try:
         with optimized():

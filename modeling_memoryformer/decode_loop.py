@@ -12,9 +12,10 @@ loop (tests/model/test_decode_loop.py compares them under greedy search and samp
 and a streamer). Where the stack declines a step (a hook, a replaced module, another attention implementation...),
 that step is the module call with those inputs. While only transformers' own processors, stopping criteria and
 streamers run between steps (they read token ids and scores, nothing of the model), `_StackSession` skips the
-re-derivation of what the last checked step read; a callback of another class makes every step check again. Greedy
-tokens come from `memory_ops.argmax_rows` (torch.argmax's index, faster; from the logits themselves where no
-processor needs their float32 copy).
+re-derivation of what the last checked step read, and the maximum-length and EOS stopping criteria are decided from
+the step's length and new tokens (called only where one of them decides); a callback of another class makes every
+step check again. Greedy tokens come from `memory_ops.argmax_rows` (torch.argmax's index, faster; from the logits
+themselves where no processor needs their float32 copy).
 
 Taken only where nothing of the standard loop is skipped that could show: on the CPU, no `return_dict_in_generate`
 (scores, logits, attentions, hidden states to collect), no `synced_gpus`, no assistant, no compiled step, a plain

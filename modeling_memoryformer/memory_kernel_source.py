@@ -2190,6 +2190,24 @@ void decode_attention_rows(const T* qp, int64_t q_b, int64_t q_h, const T* kp, i
   else at::parallel_for(0, B * H, 1, body);
 }
 
+// decode_attention_rows in k's dtype (float32, bfloat16 or float16; q, out and the caller's checks agree): q by its
+// batch and head strides q_b and q_h, k and v [B, Hkv, Tn, D] with a contiguous last dimension, H query heads, out
+// [B, H, D] contiguous. The one dtype dispatch of the op and of decode_stack's lean layer.
+void decode_attention_into(const void* q, int64_t q_b, int64_t q_h, const at::Tensor& k, const at::Tensor& v,
+                           int64_t H, float scale, const bool* keep_p, const float* add_p, void* out) {
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    decode_attention_rows<T>(static_cast<const T*>(q), q_b, q_h, static_cast<const T*>(k.data_ptr()), k.stride(0),
+                             k.stride(1), k.stride(2), static_cast<const T*>(v.data_ptr()), v.stride(0), v.stride(1),
+                             v.stride(2), k.size(0), H, k.size(1), k.size(3), k.size(2), scale, keep_p, add_p,
+                             static_cast<T*>(out));
+  };
+  const auto dtype = k.scalar_type();
+  if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
+  else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+  else run(static_cast<c10::Half*>(nullptr));
+}
+
 // q [B, H, 1, D], k and v [B, Hkv, T, D] (any strides with a contiguous last dimension: the views a KV cache and a
 // fused Q/K/V output give), mask None, bool (true: attend) or additive float, broadcastable to [B, H, 1, T];
 // float32, bfloat16 or float16, all one dtype. Returns [B, 1, H, D] contiguous in that dtype (the layout transformers'
@@ -2229,16 +2247,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
   auto out = at::empty({B, 1, H, D}, q.options());
   const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
   const float* add_p = add.defined() ? add.data_ptr<float>() : nullptr;
-  auto run = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    decode_attention_rows<T>(reinterpret_cast<const T*>(q.data_ptr()), q.stride(0), q.stride(1),
-                             reinterpret_cast<const T*>(k.data_ptr()), k.stride(0), k.stride(1), k.stride(2),
-                             reinterpret_cast<const T*>(v.data_ptr()), v.stride(0), v.stride(1), v.stride(2), B, H,
-                             Hkv, D, Tn, float(scaling), keep_p, add_p, reinterpret_cast<T*>(out.data_ptr()));
-  };
-  if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
-  else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
-  else run(static_cast<c10::Half*>(nullptr));
+  decode_attention_into(q.data_ptr(), q.stride(0), q.stride(1), k, v, H, float(scaling), keep_p, add_p, out.data_ptr());
   return out;
 }
 #line 1 "modeling_memoryformer/csrc/cpu/kv_growth.h"
@@ -2652,16 +2661,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
                                            grows_in_place(values[l], own)));
       if (!scratch.attn.defined()) scratch.attn = at::empty({N, d}, x.options());
       attn = scratch.attn;
-      const at::Tensor &k = new_keys.back(), &v = new_values.back();
-      auto run = [&](auto* tag) {   // the dtypes the lean layer runs
-        using T = std::remove_pointer_t<decltype(tag)>;
-        decode_attention_rows<T>(qkv.data_ptr<T>(), 3 * d, D, k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
-                                 v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), N, num_heads, num_heads, D,
-                                 k.size(2), float(scaling), nullptr, nullptr, attn.data_ptr<T>());
-      };
-      if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
-      else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
-      else run(static_cast<c10::Half*>(nullptr));
+      decode_attention_into(qkv.data_ptr(), 3 * d, D, new_keys.back(), new_values.back(), num_heads, float(scaling),
+                            nullptr, nullptr, attn.data_ptr());
     } else {
       const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
       new_keys.push_back(grow_cache(keys[l], parts[1], own));

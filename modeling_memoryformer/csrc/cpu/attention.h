@@ -171,6 +171,24 @@ void decode_attention_rows(const T* qp, int64_t q_b, int64_t q_h, const T* kp, i
   else at::parallel_for(0, B * H, 1, body);
 }
 
+// decode_attention_rows in k's dtype (float32, bfloat16 or float16; q, out and the caller's checks agree): q by its
+// batch and head strides q_b and q_h, k and v [B, Hkv, Tn, D] with a contiguous last dimension, H query heads, out
+// [B, H, D] contiguous. The one dtype dispatch of the op and of decode_stack's lean layer.
+void decode_attention_into(const void* q, int64_t q_b, int64_t q_h, const at::Tensor& k, const at::Tensor& v,
+                           int64_t H, float scale, const bool* keep_p, const float* add_p, void* out) {
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    decode_attention_rows<T>(static_cast<const T*>(q), q_b, q_h, static_cast<const T*>(k.data_ptr()), k.stride(0),
+                             k.stride(1), k.stride(2), static_cast<const T*>(v.data_ptr()), v.stride(0), v.stride(1),
+                             v.stride(2), k.size(0), H, k.size(1), k.size(3), k.size(2), scale, keep_p, add_p,
+                             static_cast<T*>(out));
+  };
+  const auto dtype = k.scalar_type();
+  if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
+  else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+  else run(static_cast<c10::Half*>(nullptr));
+}
+
 // q [B, H, 1, D], k and v [B, Hkv, T, D] (any strides with a contiguous last dimension: the views a KV cache and a
 // fused Q/K/V output give), mask None, bool (true: attend) or additive float, broadcastable to [B, H, 1, T];
 // float32, bfloat16 or float16, all one dtype. Returns [B, 1, H, D] contiguous in that dtype (the layout transformers'
@@ -210,15 +228,6 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const a
   auto out = at::empty({B, 1, H, D}, q.options());
   const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
   const float* add_p = add.defined() ? add.data_ptr<float>() : nullptr;
-  auto run = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    decode_attention_rows<T>(reinterpret_cast<const T*>(q.data_ptr()), q.stride(0), q.stride(1),
-                             reinterpret_cast<const T*>(k.data_ptr()), k.stride(0), k.stride(1), k.stride(2),
-                             reinterpret_cast<const T*>(v.data_ptr()), v.stride(0), v.stride(1), v.stride(2), B, H,
-                             Hkv, D, Tn, float(scaling), keep_p, add_p, reinterpret_cast<T*>(out.data_ptr()));
-  };
-  if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
-  else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
-  else run(static_cast<c10::Half*>(nullptr));
+  decode_attention_into(q.data_ptr(), q.stride(0), q.stride(1), k, v, H, float(scaling), keep_p, add_p, out.data_ptr());
   return out;
 }

@@ -346,16 +346,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
                                            grows_in_place(values[l], own)));
       if (!scratch.attn.defined()) scratch.attn = at::empty({N, d}, x.options());
       attn = scratch.attn;
-      const at::Tensor &k = new_keys.back(), &v = new_values.back();
-      auto run = [&](auto* tag) {   // the dtypes the lean layer runs
-        using T = std::remove_pointer_t<decltype(tag)>;
-        decode_attention_rows<T>(qkv.data_ptr<T>(), 3 * d, D, k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
-                                 v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), N, num_heads, num_heads, D,
-                                 k.size(2), float(scaling), nullptr, nullptr, attn.data_ptr<T>());
-      };
-      if (dtype == at::kFloat) run(static_cast<float*>(nullptr));
-      else if (dtype == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
-      else run(static_cast<c10::Half*>(nullptr));
+      decode_attention_into(qkv.data_ptr(), 3 * d, D, new_keys.back(), new_values.back(), num_heads, float(scaling),
+                            nullptr, nullptr, attn.data_ptr());
     } else {
       const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
       new_keys.push_back(grow_cache(keys[l], parts[1], own));

@@ -10,9 +10,12 @@ few-row pass reads it once for up to 4 sequences), every other weight matrix who
 embedding row per sequence, and the KV cache each sequence attends over (its mean length over the timed steps).
 Efficiency = bytes per step x steps per second / the read bound: the best of two probes over a 128 MB buffer far
 beyond the caches, on transparent huge pages as both models' weights are (`cpu_load.stream_buffer`), all threads,
-measured in the same worker before and after the timing: `torch.sum` and `torch.dot` of the buffer's halves (a plain
-streaming read; the sum's cascade reads 70-85% as fast on a Zen 1), so the fraction of the machine's memory speed
-the step reaches. Results before 2026-11-28 probed 4 KB pages, which read up to a quarter slower there. 1.0 is the
+measured in the same worker before and after the timing and around each timed `generate` call: `torch.sum` and
+`torch.dot` of the buffer's halves (a plain streaming read; the sum's cascade reads 70-85% as fast on a Zen 1), so the
+fraction of the machine's memory speed the step reaches. Beside it, the share per call (`paired_efficiency`): each
+timed call's bytes/s over the better of the two dot probes right before and after it, the median over the calls;
+where the host moves the memory speed between minutes (14 and 24 GB/s on the Zen 1 of docs/performance.md), it pairs
+each call's steps with the bound of its own minute. Results before 2026-11-28 probed 4 KB pages, which read up to a quarter slower there. 1.0 is the
 bound; a latency-bound gather of scattered rows cannot quite reach it. Results written before the dot probe (no
 "read_gbps") give the sum's.
 
@@ -318,19 +321,24 @@ def run_cell(job: dict) -> dict:
         with torch.inference_mode():
             if path != "eager":  # the eager tokens, to check the fast path against
                 eager = model.generate(prompt, **common)
-            steps, cores = [], []
+            steps, cores, calls = [], [], []
             for i in range(job["warmup"] + job["repeats"]):
+                timed = i >= job["warmup"]
                 clock = StepClock()
                 extra, handle = clock.attach(model, path)
+                probe = memory_read_gbps(repeats=2) if timed else None   # the read bound right before the call
                 before = cpu_snapshot()
                 try:
                     out = model.generate(prompt, **extra, **common, **kwargs)
                 finally:
                     if handle is not None:
                         handle.remove()
-                if i >= job["warmup"]:
-                    steps += clock.step_seconds()
+                if timed:
                     cores.append(other_cores_since(before))
+                    after = memory_read_gbps(repeats=2)   # ... and right after it
+                    reads += [probe, after]
+                    steps += clock.step_seconds()
+                    calls.append((statistics.median(clock.step_seconds()), max(probe, after)))
                 if out.shape[1] != prompt.shape[1] + new:
                     raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens, expected {new}")
             if path != "eager":
@@ -341,6 +349,8 @@ def run_cell(job: dict) -> dict:
                     step_ms_p90=round(sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3, 3),
                     bytes=step_bytes(model, batch, context),
                     other_cores=max((c for c in cores if c is not None), default=None))
+        cell["calls"] = [{"step_ms": round(s * 1e3, 3), "bound_gbps": b} for s, b in calls]
+        cell["efficiency_per_call"] = paired_efficiency(cell["bytes"]["total"], calls)
         result["batches"][str(batch)] = cell
     streams.append(memory_stream_gbps())
     reads.append(memory_read_gbps())
@@ -431,6 +441,17 @@ def read_bound(streams: list[float], reads: list[float]) -> float:
     return max([*streams, *reads])
 
 
+def paired_efficiency(step_bytes_total: float, calls: list[tuple[float, float]]) -> float | None:
+    """The median over timed `generate` calls of bytes per step / the call's median step time / the better of the read
+    probes taken right before and right after that call: each call against the bound of its own minute. The cell's
+    `efficiency` divides by the best probe of the whole cell instead, which on a host whose memory speed moves (the
+    2-vCPU Zen 1 of docs/performance.md read 14 GB/s in some minutes and 24 GB/s in others) can pair a slow minute's
+    steps with a fast minute's probe, or the reverse."""
+    if not calls:
+        return None
+    return round(statistics.median(step_bytes_total / seconds / 1e9 / bound for seconds, bound in calls), 3)
+
+
 def label(cell: dict) -> str:
     name = MF_NAMES[cell["preset"]] if cell["kind"] == "mf" else TWIN_NAMES[cell["preset"]]
     return f"{name} {cell['storage']} [{cell['path']}]"
@@ -464,8 +485,11 @@ def _cell_line(cell: dict) -> str:
              f"(sum {cell['stream_gbps']}, dot {cell.get('read_gbps', '-')})"]
     for batch, b in cell["batches"].items():
         same = "" if "same_tokens_as_eager" not in b else f", tokens {'==' if b['same_tokens_as_eager'] else '!='} eager"
+        per_call = "" if b.get("efficiency_per_call") is None else (
+            f" ({100 * b['efficiency_per_call']:.0f}% against the probes around each call)")
         parts.append(f"batch {batch}: {b['tokens_per_s']} tok/s, {b['step_ms']} ms/step, "
-                     f"{b['bytes']['total'] / MB:.1f} MB/step, {100 * b['efficiency']:.0f}% of the read bound{same}")
+                     f"{b['bytes']['total'] / MB:.1f} MB/step, {100 * b['efficiency']:.0f}% of the read bound"
+                     f"{per_call}{same}")
     return "; ".join(parts)
 
 
@@ -498,20 +522,22 @@ def markdown(results: dict) -> str:
         f"Prompt {args['prompt_tokens']} tokens, {args['new_tokens']} new tokens, greedy; step time: median interval "
         f"between decode steps inside `generate` over {args['repeats']} calls.",
         "Efficiency: bytes the step must read x steps/s / the read bound measured in the same process: the best of "
-        "`torch.sum` and `torch.dot` over a 128 MB buffer, before and after the cell (\"sum / dot\"). "
+        "`torch.sum` and `torch.dot` over a 128 MB buffer, before and after the cell and around each timed call "
+        "(\"sum / dot\"); \"per call\": the median over the timed calls of each call's bytes/s over the better of the "
+        "two `torch.dot` probes right before and after it (`paired_efficiency`). "
         "Peak RSS: the whole process (build + decode).",
         *([f"Runs merged here: {'; '.join(results['runs'])}."] if results.get("runs") else []),
         "",
-        "| model | path | batch | tokens/s | ms/step | MB/step | GB/s | sum / dot GB/s | efficiency | vs twin | "
-        "bound on ratio | peak RSS GB | build s | other cores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | path | batch | tokens/s | ms/step | MB/step | GB/s | sum / dot GB/s | efficiency | per call | "
+        "vs twin | bound on ratio | peak RSS GB | build s | other cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mf, twin in pairs(results):
         for cell, other in ((mf, twin), (twin, None)):
             if cell is None:
                 continue
             if "error" in cell:
-                lines.append(f"| {label(cell)} | {cell['path']} | | error: {cell['error'][:120]} |||||||||||")
+                lines.append(f"| {label(cell)} | {cell['path']} | | error: {cell['error'][:120]} ||||||||||||")
                 continue
             for batch, b in cell["batches"].items():
                 ratio = bound = ""
@@ -519,13 +545,14 @@ def markdown(results: dict) -> str:
                 if o:
                     ratio = f"{b['tokens_per_s'] / o['tokens_per_s']:.2f}x"
                     bound = f"{o['bytes']['total'] / b['bytes']['total']:.2f}x"
+                per_call = "" if b.get("efficiency_per_call") is None else f"{100 * b['efficiency_per_call']:.0f}%"
                 busy = b.get("other_cores")
                 busy_s = "" if busy is None else (f"**{busy:.2f} (busy)**" if busy > NOISY_CORES else f"{busy:.2f}")
                 lines.append(
                     f"| {label(cell)} | {cell['path']} | {batch} | {b['tokens_per_s']:.1f} | {b['step_ms']:.2f} | "
                     f"{b['bytes']['total'] / MB:.1f} | {b['gbps']:.1f} | {cell['stream_gbps']:.1f} / "
                     f"{format(cell['read_gbps'], '.1f') if 'read_gbps' in cell else '-'} | "
-                    f"{100 * b['efficiency']:.0f}% | {ratio} | {bound} | {cell['peak_rss_gb']:.1f} | "
+                    f"{100 * b['efficiency']:.0f}% | {per_call} | {ratio} | {bound} | {cell['peak_rss_gb']:.1f} | "
                     f"{cell['build_s']:.0f} | {busy_s} |")
     lines += ["", "Bytes per step by part (batch 1): rows / weights / head / norms / embedding / KV cache, MB", ""]
     for cell in results["cells"]:

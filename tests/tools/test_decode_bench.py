@@ -134,6 +134,17 @@ def test_the_read_bound_is_the_best_probe_and_the_dot_probe_reads_the_whole_buff
     assert n1 == n2 == 1 << 19 and p2 - p1 == 4 << 19  # the halves, end to end
 
 
+def test_the_share_per_call_divides_each_call_by_the_probes_around_it():
+    """Each timed call's bytes/s over the better of the probes taken right before and after it, the median over calls:
+    a call in a slow minute is measured against that minute's probe, not the cell's best."""
+    calls = [(0.005, 25.0), (0.010, 12.5), (0.004, 40.0)]   # 20 GB/s of 25, 10 of 12.5, 25 of 40
+    assert decode_bench.paired_efficiency(100e6, calls) == 0.8
+    assert decode_bench.paired_efficiency(100e6, [(0.004, 20.0)]) == 1.25
+    assert decode_bench.paired_efficiency(100e6, []) is None
+    # Against the cell's best probe (40 GB/s) the median call (0.005 s) would read 0.5.
+    assert round(100e6 / 0.005 / 1e9 / decode_bench.read_bound([], [25.0, 12.5, 40.0]), 3) == 0.5
+
+
 def test_the_step_clock_times_every_step_and_leaves_the_loop_as_a_plain_call_runs_it(monkeypatch):
     from conftest import require_kernel, tiny_model
     from modeling_memoryformer import decode_loop, memory_ops

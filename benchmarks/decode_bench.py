@@ -259,10 +259,12 @@ def _kv_dtype(model) -> torch.dtype:
 
 
 class StepClock:
-    """Records when each step reaches the LM head, changing nothing: as a forward pre-hook on the model's output
-    embeddings (`attach`), so that `generate` runs as a plain call does (a logits processor of one's own makes
-    MemoryFormer's decoding loop check the model again at every step, modeling_memoryformer/decode_loop.py); where
-    the step is compiled (a hook would be traced into it), as a logits processor (called with the step's logits)."""
+    """Records when each step reaches the LM head, changing nothing: MemoryFormer's head class (`MemoryFormerLMHead`)
+    with its `forward` and `logits_and_argmax` wrapped for the call (a hook on the head would make MemoryFormer's loop
+    call the head as a module and take the argmax apart, and a logits processor of one's own would make it check the
+    model again at every step, modeling_memoryformer/decode_loop.py); any other head (the twin's) with a forward
+    pre-hook; where the step is compiled (a hook would be traced into it), as a logits processor (called with the
+    step's logits)."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -279,13 +281,35 @@ class StepClock:
         logits processor."""
         from transformers import LogitsProcessorList
 
+        from modeling_memoryformer.modeling_memoryformer import MemoryFormerLMHead
+
         if path == "compiled":
             return {"logits_processor": LogitsProcessorList([self])}, None
-        return {}, model.get_output_embeddings().register_forward_pre_hook(self.hook)
+        head = model.get_output_embeddings()
+        if type(head) is MemoryFormerLMHead:
+            return {}, _ClassWrap(MemoryFormerLMHead, ("forward", "logits_and_argmax"), self.times)
+        return {}, head.register_forward_pre_hook(self.hook)
 
     def step_seconds(self) -> list[float]:
         """Intervals between consecutive steps, the first (after the prefill) left out."""
         return [b - a for a, b in zip(self.times[1:], self.times[2:])]
+
+
+class _ClassWrap:
+    """`names` of class `cls` replaced by wrappers that append perf_counter() to `times` before each call, until
+    remove() (a hook handle's interface)."""
+
+    def __init__(self, cls, names, times: list):
+        self.cls, self.saved = cls, {name: cls.__dict__[name] for name in names}
+        for name, method in self.saved.items():
+            def timed(*args, _method=method, **kwargs):
+                times.append(time.perf_counter())
+                return _method(*args, **kwargs)
+            setattr(cls, name, timed)
+
+    def remove(self) -> None:
+        for name, method in self.saved.items():
+            setattr(self.cls, name, method)
 
 
 def generate_kwargs(path: str) -> dict:

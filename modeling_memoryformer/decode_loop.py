@@ -205,6 +205,9 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
     pending = 0  # columns of ones the mask has yet to grow by
     lag = 0  # steps the positions have yet to advance by
     next_tokens = None  # the last step's picks, which the next decode step reads
+    picked = None  # a step's greedy picks, found with its logits in one pass of the LM head
+    greedy = not generation_config.do_sample and not len(logits_processor)
+    from .modeling_memoryformer import MemoryFormerLMHead  # (this module is imported by that one)
     optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
     try:
         with optimized():
@@ -228,8 +231,14 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                             if quiet and ones:
                                 session = _StackSession(self, cache, step.shape[0], positions, top)
                                 session = session if session.ok else None
+                    head = self.lm_head
+                    if hidden is not None and greedy and type(head) is MemoryFormerLMHead and unhooked(head):
+                        both = head.logits_and_argmax(hidden)  # the logits and their argmax in one pass
+                        if both is not None:
+                            logits, picked = both[0][:, -1], both[1][:, -1]
                     if hidden is not None:
-                        logits = self.lm_head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
+                        if picked is None:
+                            logits = self.lm_head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
                     else:
                         outputs = self(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True,
                                        logits_to_keep=keep, return_dict=True, **{cache_name: cache})
@@ -249,8 +258,8 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                     else:
                         next_tokens = argmax_rows(next_token_scores)  # torch.argmax(..., dim=-1), faster
                 else:  # greedy, nothing to process: the argmax of the logits is that of their float32 copy
-                    next_tokens = argmax_rows(logits)
-                logits = None
+                    next_tokens = argmax_rows(logits) if picked is None else picked
+                logits = picked = None
                 if has_eos_stopping_criteria and not all_unfinished:  # else the same tokens
                     next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

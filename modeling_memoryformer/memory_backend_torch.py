@@ -125,6 +125,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
+def linear_rows_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(linear_rows(x, weight, bias), its argmax over each row)."""
+    y = linear_rows(x, weight, bias)
+    return y, argmax_rows(y)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float) -> torch.Tensor:
     """Attention of one query position per sequence: q [B, H, 1, D], k and v [B, Hkv, T, D], mask None, bool (true:
@@ -170,6 +176,6 @@ def adam_rowwise_step(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
 TORCH_BACKEND = types.SimpleNamespace(
     name="torch",
     **{kernel.__name__: kernel for kernel in (hash, hash_backward, lookup, lookup_backward, lookup_backward_rows,
-                                              int8_lookup, linear_rows, argmax_rows, decode_attention, rowwise_adagrad_step,
-                                              adam_rowwise_step)},
+                                              int8_lookup, linear_rows, argmax_rows, linear_rows_argmax, decode_attention,
+                                              rowwise_adagrad_step, adam_rowwise_step)},
 )

@@ -1895,21 +1895,37 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, O* y, 
 // repeats).
 constexpr int64_t kLinearGrain = 1024;
 
-template <int64_t M, typename T, typename O>
-void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V) {
+template <typename T>
+int64_t argmax_row(const T* p, int64_t V);
+template <typename T>
+int64_t combine_chunk_argmax(const T* p, std::vector<std::pair<int64_t, int64_t>>& found);
+
+// chunk(v0, v1) runs after each thread's chunk [v0, v1) of outputs is stored (the argmax of those outputs, while they
+// sit in that thread's caches); none: nothing.
+struct NoChunk {
+  void operator()(int64_t, int64_t) const {}
+};
+
+template <int64_t M, typename T, typename O, typename Chunk = NoChunk>
+void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V,
+                        const Chunk& chunk = Chunk()) {
   constexpr int64_t R = M == 1 ? 8 : M == 2 ? 4 : 2;   // weight rows per block: M x R chains
-  at::parallel_for(0, V, kLinearGrain, [=](int64_t v0, int64_t v1) {
+  at::parallel_for(0, V, kLinearGrain, [&](int64_t v0, int64_t v1) {
     int64_t v = v0;
     const T* end = w + v1 * D;
     for (; v + R <= v1; v += R) linear_rows_block<M, R>(x, w + v * D, b, y, D, V, v, end);
     for (; v < v1; ++v) linear_rows_block<M, 1>(x, w + v * D, b, y, D, V, v, end);
+    chunk(v0, v1);
   });
 }
 
 // y = x W^T (+ b) for x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V], all float32 or all bfloat16 (see
 // linear_rows_kernel): sums in float32, y in their dtype (bfloat16: rounded once, as F.linear), each thread storing
 // its own outputs (a float32 y converted afterwards was a second pass over the logits, its halves on the other core).
-at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// linear_rows_op's checks and pass; with `tokens` (int64 [M]) defined, also each row's argmax of the stored outputs
+// (argmax_rows_op's answer for y), found per thread chunk right after the chunk is stored.
+at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           at::Tensor* tokens) {
   const char* op = "linear_rows";
   check_cpu_contiguous(x, op, "x");
   check_cpu_contiguous(weight, op, "weight");
@@ -1933,19 +1949,56 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
   auto y = at::empty({M, V}, x.options());
   const float* xp = xf.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto run = [&](auto* wp) {
+  auto pass = [&](auto* wp, const auto& chunk) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     T* yp = y.data_ptr<T>();
     switch (M) {
-      case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V); break;
-      case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V); break;
-      case 3: linear_rows_kernel<3>(xp, wp, bp, yp, D, V); break;
-      default: linear_rows_kernel<4>(xp, wp, bp, yp, D, V); break;
+      case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V, chunk); break;
+      case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V, chunk); break;
+      case 3: linear_rows_kernel<3>(xp, wp, bp, yp, D, V, chunk); break;
+      default: linear_rows_kernel<4>(xp, wp, bp, yp, D, V, chunk); break;
+    }
+  };
+  auto run = [&](auto* wp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+    if (tokens == nullptr) return pass(wp, NoChunk());
+    // Every chunk's first largest per row, combined in chunk order as argmax_row_split combines them (the chunks are
+    // the same: at::parallel_for(0, V, kLinearGrain)).
+    const T* yp = y.data_ptr<T>();
+    std::mutex mutex;
+    std::vector<std::pair<int64_t, std::array<int64_t, kLinearMaxRows>>> found;   // (chunk start, its answers)
+    pass(wp, [&](int64_t v0, int64_t v1) {
+      std::array<int64_t, kLinearMaxRows> top{};
+      for (int64_t m = 0; m < M; ++m) top[m] = v0 + argmax_row(yp + m * V + v0, v1 - v0);
+      std::lock_guard<std::mutex> lock(mutex);
+      found.emplace_back(v0, top);
+    });
+    std::sort(found.begin(), found.end());
+    *tokens = at::empty({M}, x.options().dtype(at::kLong));
+    int64_t* t = tokens->data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      std::vector<std::pair<int64_t, int64_t>> answers;
+      for (const auto& f : found) answers.emplace_back(f.first, f.second[m]);
+      t[m] = combine_chunk_argmax(yp + m * V, answers);
     }
   };
   if (dtype == at::kFloat) run(weight.data_ptr<float>());
   else run(weight.data_ptr<c10::BFloat16>());
   return y;
+}
+
+at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return linear_rows_run(x, weight, bias, nullptr);
+}
+
+// (linear_rows(x, weight, bias), argmax_rows of it) in one pass: a greedy decode step's logits and tokens, the argmax
+// of each thread's outputs taken while they sit in its caches (a separate argmax_rows call after MF-small's head took
+// 150-160 us on 2 Zen 1 cores against 40-50 us on the same logits warm: its code and data evicted by the head).
+std::tuple<at::Tensor, at::Tensor> linear_rows_argmax_op(const at::Tensor& x, const at::Tensor& weight,
+                                                         const std::optional<at::Tensor>& bias) {
+  at::Tensor tokens;
+  at::Tensor y = linear_rows_run(x, weight, bias, &tokens);
+  return {y, tokens};
 }
 
 // ------------------------------------------------------------------------------------------------ argmax of rows
@@ -1959,20 +2012,47 @@ int64_t argmax_row(const T* p, int64_t V) {
   auto top = [](float a, float b) { return a != a || b != b ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b); };
   float best = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
-  if (V >= kLanes) {
-    fVec lanes(best);
-    for (; j + kLanes <= V; j += kLanes) lanes = at::vec::maximum(lanes, load_floats(p + j));
+  if (V >= 4 * kLanes) {   // four independent chains of maxima (the largest value is one whatever the grouping)
+    fVec l0(best), l1(best), l2(best), l3(best);
+    for (; j + 4 * kLanes <= V; j += 4 * kLanes) {
+      l0 = at::vec::maximum(l0, load_floats(p + j));
+      l1 = at::vec::maximum(l1, load_floats(p + j + kLanes));
+      l2 = at::vec::maximum(l2, load_floats(p + j + 2 * kLanes));
+      l3 = at::vec::maximum(l3, load_floats(p + j + 3 * kLanes));
+    }
     float values[kLanes];
-    lanes.store(values);
+    at::vec::maximum(at::vec::maximum(l0, l1), at::vec::maximum(l2, l3)).store(values);
     for (int64_t l = 0; l < kLanes; ++l) best = top(best, values[l]);
   }
   for (; j < V; ++j) best = top(best, float(p[j]));
+  // The first index holding it: whole vectors compared at once, then the lanes of the first that has it.
   const bool nan = best != best;
-  for (int64_t i = 0; i < V; ++i) {
+  const fVec bv(best);
+  int64_t i = 0;
+  for (; i + kLanes <= V; i += kLanes) {
+    const fVec v = load_floats(p + i);
+    const int hits = ~(nan ? v.isnan() : (v == bv)).zero_mask() & ((1 << kLanes) - 1);
+    if (hits) return i + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+  for (; i < V; ++i) {
     const float v = float(p[i]);
     if (nan ? v != v : v == best) return i;
   }
   return 0;   // not reached: best is one of the values
+}
+
+// The row's argmax from its chunks' (start, first largest) in any order: the first NaN, else the first of the
+// largest (a later chunk only where strictly larger).
+template <typename T>
+int64_t combine_chunk_argmax(const T* p, std::vector<std::pair<int64_t, int64_t>>& found) {
+  std::sort(found.begin(), found.end());
+  int64_t best = found[0].second;
+  for (size_t c = 1; c < found.size(); ++c) {
+    const float b = float(p[best]), v = float(p[found[c].second]);
+    if (b != b) break;                     // a NaN: nothing later comes first
+    if (v != v || v > b) best = found[c].second;
+  }
+  return best;
 }
 
 // argmax_row over p[0, V) as the threads split it: each chunk of at::parallel_for(0, V, kLinearGrain) (the split of
@@ -1989,14 +2069,7 @@ int64_t argmax_row_split(const T* p, int64_t V) {
     std::lock_guard<std::mutex> lock(mutex);
     found.emplace_back(v0, i);
   });
-  std::sort(found.begin(), found.end());
-  int64_t best = found[0].second;
-  for (size_t c = 1; c < found.size(); ++c) {
-    const float b = float(p[best]), v = float(p[found[c].second]);
-    if (b != b) break;                     // a NaN: nothing later comes first
-    if (v != v || v > b) best = found[c].second;
-  }
-  return best;
+  return combine_chunk_argmax(p, found);
 }
 
 at::Tensor argmax_rows_op(const at::Tensor& x) {
@@ -2829,6 +2902,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("int8_lookup", &int8_lookup_op);
   m.impl("linear_rows", &linear_rows_op);
   m.impl("argmax_rows", &argmax_rows_op);
+  m.impl("linear_rows_argmax", &linear_rows_argmax_op);
   m.impl("decode_attention", &decode_attention_op);
   m.impl("decode_qkv", &decode_qkv_op);
   m.impl("decode_block", &decode_block_op);

@@ -37,6 +37,7 @@ OP_SCHEMAS = {
     "int8_lookup": "(Tensor rows, Tensor scores, Tensor packed, Tensor? bias, int rows_per_table) -> Tensor",
     "linear_rows": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "argmax_rows": "(Tensor x) -> Tensor",  # a greedy step's token from the logits: torch.argmax(x, -1)
+    "linear_rows_argmax": "(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",  # both in one pass
     # Attention of one query position per sequence over its KV cache (a decode step).
     "decode_attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scaling) -> Tensor",
     # The row-wise table optimizers' steps, in place.
@@ -148,6 +149,10 @@ def _register_fakes(namespace: str) -> None:
     @fake("argmax_rows")
     def _argmax_rows(x):
         return x.new_empty((x.shape[0],), dtype=torch.long)
+
+    @fake("linear_rows_argmax")
+    def _linear_rows_argmax(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0],), dtype=torch.long)
 
     @fake("decode_attention")
     def _decode_attention(q, k, v, mask, scaling):

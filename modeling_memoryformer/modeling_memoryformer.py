@@ -29,7 +29,7 @@ from .decode_loop import sample as lean_sample
 from .decode_layer import decode_layer_step, decode_stack_run, decode_stack_step, decode_step_mask, rotary_table_rows
 from .huge_pages import place_on_huge_pages
 from .memory_loss import uses_chunked_loss
-from .memory_ops import decode_attention_forward, few_rows_linear, linear_cross_entropy
+from .memory_ops import decode_attention_forward, few_rows_linear, few_rows_linear_argmax, linear_cross_entropy
 from .memory_layer import MemoryLayer
 from .quantization import TableStorageMixin, Int8LMHead, bf16_linear
 from .transformers_compat import (
@@ -377,6 +377,12 @@ class MemoryFormerLMHead(nn.Linear):
         if self.weight.dtype == torch.bfloat16 and hidden_states.dtype != torch.bfloat16:
             return bf16_linear(hidden_states, self.weight, self.bias)
         return few_rows_linear(hidden_states, self.weight, self.bias)
+
+    def logits_and_argmax(self, hidden_states: torch.Tensor):
+        """(forward(hidden_states), its argmax over the vocabulary) in one pass (few_rows_linear_argmax), or None."""
+        if self.weight.dtype == torch.bfloat16 and hidden_states.dtype != torch.bfloat16:
+            return None
+        return few_rows_linear_argmax(hidden_states, self.weight, self.bias)
 
 
 def build_lm_head(config: MemoryFormerConfig) -> nn.Module:

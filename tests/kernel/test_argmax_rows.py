@@ -101,3 +101,55 @@ def check_split_rows(dtype):
         got, want = fused(x), torch.argmax(x, dim=-1)
         assert torch.equal(got, want), (width, got.tolist(), want.tolist())
         assert got[:5].tolist() == [half, half - 1, 3, half + 7, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_head_pass_with_its_argmax_gives_linear_rows_bits_and_torchs_index(dtype, rows):
+    """`linear_rows_argmax`: the few-row pass's logits, bit for bit, and torch.argmax of them, each thread taking the
+    argmax of the outputs it just stored: on 1, 2 and 3 threads, over a vocabulary of several chunks, with a bias
+    that puts the largest value at the second chunk's first column, ties across the chunks (1e30 absorbs x W), NaN
+    in both halves, all -inf, and +inf at the end."""
+    g = torch.Generator().manual_seed(rows)
+    V, D = 5000, 72  # D not a multiple of a vector: the ragged tail too
+    half = V // 2
+    x, w = torch.randn(rows, D, generator=g).to(dtype), torch.randn(V, D, generator=g).to(dtype)
+    biases = [None, torch.zeros(V), torch.zeros(V), torch.zeros(V), torch.full((V,), float("-inf")), torch.zeros(V)]
+    biases[1][half] = 1e4
+    biases[2][3], biases[2][half + 5] = 1e30, 1e30
+    biases[3][half + 1], biases[3][9] = float("nan"), float("nan")
+    biases[5][V - 1] = float("inf")
+    op, plain = torch.ops.memoryformer.linear_rows_argmax, torch.ops.memoryformer.linear_rows
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for b in biases:
+                b = None if b is None else b.to(dtype)
+                y, tokens = op(x, w, b)
+                bits = torch.int32 if dtype == torch.float32 else torch.int16  # NaN's bits compared too
+                assert torch.equal(y.view(bits), plain(x, w, b).view(bits)) and y.dtype == dtype
+                assert tokens.dtype == torch.long and torch.equal(tokens, torch.argmax(y, dim=-1)), (n, tokens)
+    finally:
+        torch.set_num_threads(threads)
+    assert op(x, w, biases[1].to(dtype))[1].tolist() == [half] * rows
+    assert op(x, w, biases[3].to(dtype))[1].tolist() == [9] * rows
+
+
+def test_memory_ops_gives_the_logits_and_tokens_where_the_head_pass_applies():
+    """few_rows_linear_argmax: (few_rows_linear, argmax_rows) of a [batch, 1, D] hidden state in one call where the
+    few-row pass applies; None elsewhere (the caller runs the two)."""
+    g = torch.Generator().manual_seed(0)
+    hidden, w = torch.randn(3, 1, 64, generator=g).bfloat16(), torch.randn(3000, 64, generator=g).bfloat16()
+    logits, tokens = memory_ops.few_rows_linear_argmax(hidden, w)
+    assert torch.equal(logits, memory_ops.few_rows_linear(hidden, w)) and logits.shape == (3, 1, 3000)
+    assert torch.equal(tokens, torch.argmax(logits, dim=-1)) and tokens.shape == (3, 1)
+    for args in ((hidden.double(), w.double()), (torch.randn(5, 64).bfloat16(), w), (hidden, w.float()),
+                 (hidden, w.t().contiguous().t())):
+        assert memory_ops.few_rows_linear_argmax(*args) is None
+    with memory_ops.use_kernel("torch"):
+        assert memory_ops.few_rows_linear_argmax(hidden, w) is None
+    from modeling_memoryformer.memory_backend_torch import TORCH_BACKEND
+
+    y, t = TORCH_BACKEND.linear_rows_argmax(hidden[:, 0], w, None)
+    assert torch.equal(t, torch.argmax(y, dim=-1))

@@ -315,3 +315,38 @@ def test_sequences_at_different_positions_under_an_all_ones_mask(monkeypatch):
     positions = torch.arange(UNPADDED.shape[1]).repeat(2, 1) + torch.tensor([[0], [5]])
     counts = same_as_standard(model, monkeypatch, UNPADDED, position_ids=positions)
     assert counts == {"loop": 1, "session": NEW - 2, "stack": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_greedy_step_takes_its_logits_and_tokens_from_one_head_pass(monkeypatch, dtype):
+    """Greedy search with nothing to process: every decode step on the direct path gets its logits and tokens from one
+    pass of the LM head (`MemoryFormerLMHead.logits_and_argmax`), and the tokens are the standard loop's. A hook on
+    the head, a logits processor or sampling: the head's module call and a separate argmax, as before."""
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    calls = []
+    both = modeling.MemoryFormerLMHead.logits_and_argmax
+
+    def counting(self, hidden):
+        out = both(self, hidden)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(modeling.MemoryFormerLMHead, "logits_and_argmax", counting)
+    counts = same_as_standard(model, monkeypatch, UNPADDED)
+    assert calls == [True] * (NEW - 1) and counts["session"] + counts["stack"] == NEW - 1
+    plain = generate(model, UNPADDED)
+    monkeypatch.setattr(modeling.MemoryFormerLMHead, "logits_and_argmax", counting)
+    calls.clear()
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert torch.equal(generate(model, UNPADDED), plain)
+    handle.remove()
+    assert calls == [] and len(seen) == NEW  # the prefill's call and every decode step's
+
+    class Shift(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores
+
+    assert torch.equal(generate(model, UNPADDED, logits_processor=LogitsProcessorList([Shift()])), plain)
+    generate(model, UNPADDED, do_sample=True)
+    assert calls == []

@@ -152,16 +152,22 @@ def test_the_step_clock_times_every_step_and_leaves_the_loop_as_a_plain_call_run
     require_kernel("fused")
     model = tiny_model(attn_implementation="sdpa")
     prompt = torch.tensor([[5, 17, 99, 42]])
+    from modeling_memoryformer.modeling_memoryformer import MemoryFormerLMHead
+
     sessions, step = [], decode_loop._StackSession.step
     monkeypatch.setattr(decode_loop._StackSession, "step", lambda *args: sessions.append(1) or step(*args))
+    fused_heads, both = [], MemoryFormerLMHead.logits_and_argmax
+    monkeypatch.setattr(MemoryFormerLMHead, "logits_and_argmax", lambda *args: fused_heads.append(1) or both(*args))
+    methods = dict(vars(MemoryFormerLMHead))
     clock = decode_bench.StepClock()
     extra, handle = clock.attach(model, "eager")
     with memory_ops.use_kernel("fused"), torch.inference_mode():
         timed = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, **extra)
         handle.remove()
         plain = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert extra == {} and torch.equal(timed, plain)
+    assert extra == {} and torch.equal(timed, plain) and dict(vars(MemoryFormerLMHead)) == methods
     assert len(clock.times) == 6 and len(clock.step_seconds()) == 4  # the prefill's head call, then each step's
     assert len(sessions) == 2 * 4  # both calls: every step after the first on the loop's session
+    assert len(fused_heads) == 2 * 5  # and every decode step's logits and tokens from one head pass, timed or not
     extra, handle = decode_bench.StepClock().attach(model, "compiled")
     assert handle is None and list(extra) == ["logits_processor"]

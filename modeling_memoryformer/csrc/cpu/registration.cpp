@@ -18,6 +18,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("int8_lookup", &int8_lookup_op);
   m.impl("linear_rows", &linear_rows_op);
   m.impl("argmax_rows", &argmax_rows_op);
+  m.impl("linear_rows_argmax", &linear_rows_argmax_op);
   m.impl("decode_attention", &decode_attention_op);
   m.impl("decode_qkv", &decode_qkv_op);
   m.impl("decode_block", &decode_block_op);

@@ -19,9 +19,10 @@ each call's steps with the bound of its own minute. Results before 2026-11-28 pr
 bound; a latency-bound gather of scattered rows cannot quite reach it. Results written before the dot probe (no
 "read_gbps") give the sum's.
 
-The step time is read inside one `generate` call: a forward pre-hook on the LM head records when every step reaches
-it (a logits processor where the step is compiled), and the median interval between consecutive steps after the
-first (which follows the prefill) is the step time. So the prefill and `generate`'s setup are out of it, and what is
+The step time is read inside one `generate` call: the LM head records when every step reaches it (MemoryFormer's head
+class with its methods wrapped for the call, the twin's head with a forward pre-hook, a logits processor where the step
+is compiled: `StepClock`), and the median interval between consecutive steps after the first (which follows the
+prefill) is the step time. So the prefill and `generate`'s setup are out of it, and what is
 timed is what a user's plain `generate` spends per token (a logits processor of one's own would make MemoryFormer's
 loop check the model at every step: modeling_memoryformer/decode_loop.py).
 

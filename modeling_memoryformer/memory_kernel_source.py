@@ -1996,6 +1996,8 @@ at::Tensor linear_rows_op(const at::Tensor& x, const at::Tensor& weight, const s
 // 150-160 us on 2 Zen 1 cores against 40-50 us on the same logits warm: its code and data evicted by the head).
 std::tuple<at::Tensor, at::Tensor> linear_rows_argmax_op(const at::Tensor& x, const at::Tensor& weight,
                                                          const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() != 2 || weight.size(0) >= 1, "memoryformer.linear_rows_argmax: the weight has no rows "
+              "(shape ", weight.sizes(), "): an argmax needs at least one output column");
   at::Tensor tokens;
   at::Tensor y = linear_rows_run(x, weight, bias, &tokens);
   return {y, tokens};

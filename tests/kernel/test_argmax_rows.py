@@ -69,6 +69,10 @@ def test_bad_input_is_refused_with_the_shape_and_dtype():
         fused(torch.zeros(2, 0))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         fused(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="linear_rows_argmax: the weight has no rows .* at least one output column"):
+        torch.ops.memoryformer.linear_rows_argmax(torch.zeros(1, 8), torch.zeros(0, 8), None)
+    with pytest.raises(RuntimeError, match="weight must be \\[V, D\\] with D = 8"):
+        torch.ops.memoryformer.linear_rows_argmax(torch.zeros(1, 8), torch.zeros(4, 6), None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

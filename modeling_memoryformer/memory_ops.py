@@ -277,9 +277,18 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     the weight at memory speed; BLAS's GEMV (what F.linear calls for one row) ran at about a third of that speed on
     the AMD EPYC measured (see benchmarks/). Same maths, float32 accumulation in another order.
     """
+    rows = _few_rows(x, weight, bias)
+    if rows:
+        y = fused_call(fused_ops().linear_rows, x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The rows of x the fused few-row pass takes (see few_rows_linear), or 0 where it does not apply."""
     rows = x.numel() // max(1, x.shape[-1])
     records_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if (
+    applies = (
         x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
@@ -288,10 +297,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         and weight.is_contiguous()
         and not records_grad
         and uses_fused(weight)
-    ):
-        y = fused_call(fused_ops().linear_rows, x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    )
+    return rows if applies else 0
 
 
 def few_rows_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -300,21 +307,9 @@ def few_rows_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     kernel's few-row pass (x [..., D] of at most `linear_rows_max()` rows); else None, and the caller runs the two. A
     greedy decode step's logits and tokens: the separate argmax after the LM head ran with its code and data evicted
     by the head's stream (150-160 us on MF-small's 50K vocabulary on 2 Zen 1 cores, 40-50 us warm)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if not (
-        x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dtype == x.dtype
-        and (bias is None or bias.dtype == x.dtype)
-        and 1 <= rows <= _LINEAR_ROWS_MAX
-        and x.shape[-1] == weight.shape[-1]
-        and weight.shape[0] > 0
-        and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
-        and uses_fused(weight)
-    ):
-        return None
-    op = getattr(fused_ops(), "linear_rows_argmax", None)  # absent where an older copy of the ops came first
-    if op is None:
+    rows = _few_rows(x, weight, bias)
+    op = getattr(fused_ops(), "linear_rows_argmax", None) if rows else None  # absent where an older copy came first
+    if op is None or weight.shape[0] == 0:
         return None
     y, tokens = fused_call(op, x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0]), tokens.view(x.shape[:-1])

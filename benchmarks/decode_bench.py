@@ -362,8 +362,9 @@ def run_cell(job: dict) -> dict:
                     cores.append(other_cores_since(before))
                     after = memory_read_gbps(repeats=2)   # ... and right after it
                     reads += [probe, after]
-                    steps += clock.step_seconds()
-                    calls.append((statistics.median(clock.step_seconds()), max(probe, after)))
+                    call_steps = clock.step_seconds()
+                    steps += call_steps
+                    calls.append((statistics.median(call_steps), max(probe, after)))
                 if out.shape[1] != prompt.shape[1] + new:
                     raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens, expected {new}")
             if path != "eager":

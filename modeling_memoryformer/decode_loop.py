@@ -238,7 +238,7 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                             logits, picked = both[0][:, -1], both[1][:, -1]
                     if hidden is not None:
                         if picked is None:
-                            logits = self.lm_head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
+                            logits = head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
                     else:
                         outputs = self(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True,
                                        logits_to_keep=keep, return_dict=True, **{cache_name: cache})

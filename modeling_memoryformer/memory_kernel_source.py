@@ -1962,8 +1962,8 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
   auto run = [&](auto* wp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     if (tokens == nullptr) return pass(wp, NoChunk());
-    // Every chunk's first largest per row, combined in chunk order as argmax_row_split combines them (the chunks are
-    // the same: at::parallel_for(0, V, kLinearGrain)).
+    // Every chunk's first largest per row, combined as argmax_row_split combines them (combine_chunk_argmax puts them
+    // in chunk order; the chunks are the same: at::parallel_for(0, V, kLinearGrain)).
     const T* yp = y.data_ptr<T>();
     std::mutex mutex;
     std::vector<std::pair<int64_t, std::array<int64_t, kLinearMaxRows>>> found;   // (chunk start, its answers)
@@ -1973,7 +1973,6 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
       std::lock_guard<std::mutex> lock(mutex);
       found.emplace_back(v0, top);
     });
-    std::sort(found.begin(), found.end());
     *tokens = at::empty({M}, x.options().dtype(at::kLong));
     int64_t* t = tokens->data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {

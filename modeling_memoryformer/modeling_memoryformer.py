@@ -379,9 +379,8 @@ class MemoryFormerLMHead(nn.Linear):
         return few_rows_linear(hidden_states, self.weight, self.bias)
 
     def logits_and_argmax(self, hidden_states: torch.Tensor):
-        """(forward(hidden_states), its argmax over the vocabulary) in one pass (few_rows_linear_argmax), or None."""
-        if self.weight.dtype == torch.bfloat16 and hidden_states.dtype != torch.bfloat16:
-            return None
+        """(forward(hidden_states), its argmax over the vocabulary) in one pass (few_rows_linear_argmax), or None
+        (where the forward does not take the few-row pass: another dtype, too many rows, a gradient to record)."""
         return few_rows_linear_argmax(hidden_states, self.weight, self.bias)
 
 

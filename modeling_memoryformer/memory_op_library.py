@@ -69,6 +69,7 @@ OP_SCHEMAS = {
     "set_cache_sizes": "(int l1, int l2, int l3) -> ()",
     "isa": "() -> str",
     "linear_rows_max": "() -> int",
+    "linear_rows_balance": "(int delay_slot, int delay_us) -> int",  # tests: a late thread; pieces taken from others
     "release_gradient_pool": "() -> int",
 }
 

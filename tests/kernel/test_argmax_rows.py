@@ -157,3 +157,57 @@ def test_memory_ops_gives_the_logits_and_tokens_where_the_head_pass_applies():
 
     y, t = TORCH_BACKEND.linear_rows_argmax(hidden[:, 0], w, None)
     assert torch.equal(t, torch.argmax(y, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_late_thread_leaves_its_rows_to_the_others_with_the_same_logits_and_tokens(dtype):
+    """The few-row pass balances its threads as they run: each starts with a contiguous share of the weight's rows,
+    taken piece by piece, and a thread whose share is done takes the pieces left at the back of another's. With one
+    thread held back (`linear_rows_balance`, a test setting), the others take its pieces; the logits keep their bits
+    and the tokens are torch.argmax's, with the largest value, ties, NaN and -inf placed at piece edges of both the
+    late thread's share and the others'."""
+    D = 64
+    piece = max(8, (256 << 10) // (D * torch.empty((), dtype=dtype).element_size()) // 8 * 8)
+    V = 20 * piece + 37  # 21 pieces, the last ragged
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(2, D, generator=g).to(dtype), torch.randn(V, D, generator=g).to(dtype)
+    nan, inf = float("nan"), float("inf")
+    biases = [torch.zeros(V) for _ in range(6)]
+    biases[0][piece] = 1e4                                   # a piece's first row, in the first share
+    biases[1][V - piece - 37] = 1e4                          # the last whole piece's first row
+    biases[2][piece - 1], biases[2][V - 1] = 1e30, 1e30      # tied: the first
+    biases[3][V - 2], biases[3][2 * piece] = nan, nan        # NaN in both shares: the first
+    biases[4][: V // 2] = -inf                               # the first half all -inf
+    biases[5][:] = -inf                                      # all -inf: index 0
+    op, balance = torch.ops.memoryformer.linear_rows_argmax, torch.ops.memoryformer.linear_rows_balance
+    threads = torch.get_num_threads()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            for b in biases:
+                b = b.to(dtype)
+                balance(-1, 0)
+                y0, t0 = op(x, w, b)
+                assert torch.equal(t0, torch.argmax(y0, dim=-1)), (n, t0)
+                for late in range(n):
+                    for _ in range(3):  # the others must finish their shares while it sleeps (a busy host: again)
+                        balance(late, 200_000)
+                        y, t = op(x, w, b)
+                        if balance(-1, 0) > 0:
+                            break
+                    assert balance(-1, 0) > 0, f"no piece was taken from the late thread {late} of {n}"
+                    assert torch.equal(y.view(bits), y0.view(bits)) and torch.equal(t, t0), (n, late, t, t0)
+    finally:
+        balance(-1, 0)
+        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        balance(0, 200_000)  # one thread: no split, no delay
+        assert torch.equal(op(x, w, biases[0].to(dtype))[1], torch.tensor([piece, piece]))
+        assert balance(-1, 0) == 0
+    finally:
+        balance(-1, 0)
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="slot must be >= -1"):
+        balance(-2, 0)

@@ -7,6 +7,14 @@ std::string isa_op() { return MEMORYFORMER_ISA; }
 
 int64_t linear_rows_max_op() { return kLinearMaxRows; }
 
+int64_t linear_rows_balance_op(int64_t delay_slot, int64_t delay_us) {
+  TORCH_CHECK(delay_slot >= -1 && delay_us >= 0 && delay_us <= 10000000, "memoryformer.linear_rows_balance: slot "
+              "must be >= -1 (-1: no delay) and the delay 0 .. 10 s in microseconds, got ", delay_slot, ", ", delay_us);
+  linear_delay_slot.store(delay_slot);
+  linear_delay_us.store(delay_us);
+  return linear_stolen.load();
+}
+
 std::vector<int64_t> machine_info_op() {
   const Caches c = caches();
   return {c.l1, c.l2, c.l3, int64_t(std::max(1, at::get_num_threads())), kLanes * int64_t(sizeof(float))};

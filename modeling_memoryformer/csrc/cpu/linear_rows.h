@@ -4,8 +4,8 @@
 
 // ------------------------------------------------------------------------------------------------ few-row linear
 // y = x W^T (+ b) for a few rows of x (decoding: the LM head of one token reads a [vocab, d] weight for one row of
-// output). The output columns are split over the threads in contiguous ranges, so the pass streams W once; each
-// thread takes R weight rows at a time and keeps one sum per (row of x, weight row) in a vector register: M x R
+// output). The output columns are split over the threads in contiguous ranges (balanced as they run: "the threads'
+// shares" below), so the pass streams W once; each thread takes R weight rows at a time and keeps one sum per (row of x, weight row) in a vector register: M x R
 // independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector loaded once for R weight rows. The sums are
 // kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's array of sums on the stack (a store and a
 // reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, and
@@ -59,32 +59,115 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, O* y, 
 }
 
 // T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x and b float32, y
-// float32 or T. Each thread writes the outputs of its own weight rows (kLinearGrain per chunk, the split argmax_rows
-// repeats).
-constexpr int64_t kLinearGrain = 1024;
+// float32 or T.
+//
+// The threads' shares. Each thread (a slot) starts with a contiguous range of the weight's rows, as a static split
+// would give it, and takes it piece by piece from the front (kLinearPieceBytes of weight a piece); a slot whose range
+// is done takes the pieces left at the back of another's. So the pass ends when the rows do, not when the slower
+// thread's half does: inside MF-tiny's `generate` on the 2-vCPU Zen 1 of docs/performance.md one thread of the static
+// split finished its half 350-800 us after the other in some processes (the head 3.0-3.2 ms against 2.4-2.5 ms where
+// the halves kept pace; which half was slow moved between processes, so it was not one core), and on CPUs with cores
+// of two speeds one half always would. A slot's own pieces are contiguous, so its stream and its prefetch run across
+// them as across one range. Each output is one weight row's sum, whoever computes it: the same bits on any split.
+constexpr int64_t kLinearGrain = 1024;              // rows per slot at least
+constexpr int64_t kLinearPieceBytes = 256 << 10;    // weight bytes per piece (rows: a multiple of 8)
+
+// A slot's range of pieces [front, back) in one word, so that its owner (from the front) and another slot (from the
+// back) never take the same piece. On its own cache line: the owner takes a piece without sharing one.
+struct alignas(64) PieceRange {
+  std::atomic<uint64_t> word{0};
+  void set(uint64_t front, uint64_t back) { word.store(back << 32 | front, std::memory_order_relaxed); }
+  int64_t take(bool from_back) {   // the piece taken, or -1 where none is left
+    uint64_t w = word.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = w & 0xffffffffu, back = w >> 32;
+      if (front >= back) return -1;
+      const uint64_t next = from_back ? (back - 1) << 32 | front : back << 32 | (front + 1);
+      if (word.compare_exchange_weak(w, next, std::memory_order_relaxed)) return int64_t(from_back ? back - 1 : front);
+    }
+  }
+};
+
+// For tests (memoryformer.linear_rows_balance): slot `delay_slot` starts `delay_us` late, so that the others take its
+// pieces; and the pieces the last pass took from another slot's range. Off (-1) unless a test sets it.
+std::atomic<int64_t> linear_delay_slot{-1}, linear_delay_us{0}, linear_stolen{0};
+
+template <typename T>
+int64_t linear_piece_rows(int64_t D) {
+  return std::max<int64_t>(8, kLinearPieceBytes / std::max<int64_t>(1, D * int64_t(sizeof(T))) / 8 * 8);
+}
+
+// The slots a pass of V rows runs on (1: no split), the same for the caller's per-slot state.
+template <typename T>
+int64_t linear_slots(int64_t D, int64_t V) {
+  if (at::in_parallel_region()) return 1;
+  const int64_t pieces = (V + linear_piece_rows<T>(D) - 1) / linear_piece_rows<T>(D);
+  return std::max<int64_t>(1, std::min({int64_t(at::get_num_threads()), (V + kLinearGrain - 1) / kLinearGrain,
+                                        pieces}));
+}
 
 template <typename T>
 int64_t argmax_row(const T* p, int64_t V);
-template <typename T>
-int64_t combine_chunk_argmax(const T* p, std::vector<std::pair<int64_t, int64_t>>& found);
 
-// chunk(v0, v1) runs after each thread's chunk [v0, v1) of outputs is stored (the argmax of those outputs, while they
-// sit in that thread's caches); none: nothing.
+// chunk(slot, v0, v1) runs after a slot has stored the outputs of rows [v0, v1) (the argmax of those outputs, while
+// they sit in that thread's caches); none: nothing.
 struct NoChunk {
-  void operator()(int64_t, int64_t) const {}
+  void operator()(int64_t, int64_t, int64_t) const {}
 };
 
 template <int64_t M, typename T, typename O, typename Chunk = NoChunk>
 void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V,
                         const Chunk& chunk = Chunk()) {
   constexpr int64_t R = M == 1 ? 8 : M == 2 ? 4 : 2;   // weight rows per block: M x R chains
-  at::parallel_for(0, V, kLinearGrain, [&](int64_t v0, int64_t v1) {
+  // Rows [v0, v1) of slot s, prefetching up to `end` (the end of the slot's own range: its next piece).
+  const auto rows = [&](int64_t s, int64_t v0, int64_t v1, const T* end) {
     int64_t v = v0;
-    const T* end = w + v1 * D;
     for (; v + R <= v1; v += R) linear_rows_block<M, R>(x, w + v * D, b, y, D, V, v, end);
     for (; v < v1; ++v) linear_rows_block<M, 1>(x, w + v * D, b, y, D, V, v, end);
-    chunk(v0, v1);
+    chunk(s, v0, v1);
+  };
+  const int64_t S = linear_slots<T>(D, V);
+  if (S == 1) {
+    rows(0, 0, V, w + V * D);
+    linear_stolen.store(0);
+    return;
+  }
+  const int64_t piece = linear_piece_rows<T>(D), pieces = (V + piece - 1) / piece;
+  std::vector<PieceRange> ranges(S);
+  for (int64_t s = 0; s < S; ++s) ranges[s].set(pieces * s / S, pieces * (s + 1) / S);
+  const int64_t delay_slot = linear_delay_slot.load(), delay_us = linear_delay_us.load();
+  std::atomic<int64_t> stolen{0};
+  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      if (s == delay_slot) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+      const T* end = w + std::min(V, pieces * (s + 1) / S * piece) * D;
+      for (int64_t p; (p = ranges[s].take(false)) >= 0;) rows(s, p * piece, std::min(V, (p + 1) * piece), end);
+      for (int64_t o = 1; o < S; ++o)   // then the others' last pieces, the next slot's first
+        for (int64_t p; (p = ranges[(s + o) % S].take(true)) >= 0; stolen.fetch_add(1)) {
+          const int64_t v1 = std::min(V, (p + 1) * piece);
+          rows(s, p * piece, v1, w + v1 * D);
+        }
+    }
   });
+  linear_stolen.store(stolen.load());
+}
+
+// The first largest output per row of x over rows [start, end) of the weight (argmax_row's answer: a NaN counts as
+// larger than any number), and its value.
+struct PieceTop {
+  int64_t start, end;
+  std::array<int64_t, kLinearMaxRows> index;
+  std::array<float, kLinearMaxRows> value;
+};
+
+// The answer over a's rows followed by b's (adjacent or not, a first): a's where it is a NaN or b's is not larger.
+inline PieceTop first_top(const PieceTop& a, const PieceTop& b, int64_t M) {
+  PieceTop c{std::min(a.start, b.start), std::max(a.end, b.end), a.index, a.value};
+  for (int64_t m = 0; m < M; ++m) {
+    const float u = a.value[m], v = b.value[m];
+    if (u == u && (v != v || v > u)) { c.index[m] = b.index[m]; c.value[m] = v; }
+  }
+  return c;
 }
 
 // y = x W^T (+ b) for x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V], all float32 or all bfloat16 (see
@@ -130,24 +213,29 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
   auto run = [&](auto* wp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     if (tokens == nullptr) return pass(wp, NoChunk());
-    // Every chunk's first largest per row, combined as argmax_row_split combines them (combine_chunk_argmax puts them
-    // in chunk order; the chunks are the same: at::parallel_for(0, V, kLinearGrain)).
+    // Every piece's first largest per row, found right after the piece is stored, merged into the slot's runs of
+    // adjacent pieces (a slot takes its own in order and another's backwards), then the runs in row order: the first
+    // NaN, else the first of the largest (a later range only where strictly larger), as argmax_rows.
     const T* yp = y.data_ptr<T>();
-    std::mutex mutex;
-    std::vector<std::pair<int64_t, std::array<int64_t, kLinearMaxRows>>> found;   // (chunk start, its answers)
-    pass(wp, [&](int64_t v0, int64_t v1) {
-      std::array<int64_t, kLinearMaxRows> top{};
-      for (int64_t m = 0; m < M; ++m) top[m] = v0 + argmax_row(yp + m * V + v0, v1 - v0);
-      std::lock_guard<std::mutex> lock(mutex);
-      found.emplace_back(v0, top);
+    std::vector<std::vector<PieceTop>> tops(linear_slots<T>(D, V));
+    pass(wp, [&](int64_t s, int64_t v0, int64_t v1) {
+      PieceTop top{v0, v1, {}, {}};
+      for (int64_t m = 0; m < M; ++m) {
+        top.index[m] = v0 + argmax_row(yp + m * V + v0, v1 - v0);
+        top.value[m] = float(yp[m * V + top.index[m]]);
+      }
+      auto& mine = tops[s];
+      if (!mine.empty() && mine.back().end == v0) mine.back() = first_top(mine.back(), top, M);
+      else if (!mine.empty() && mine.back().start == v1) mine.back() = first_top(top, mine.back(), M);
+      else mine.push_back(top);
     });
+    std::vector<PieceTop> all;
+    for (const auto& mine : tops) all.insert(all.end(), mine.begin(), mine.end());
+    std::sort(all.begin(), all.end(), [](const PieceTop& a, const PieceTop& b) { return a.start < b.start; });
+    PieceTop best = all[0];
+    for (size_t i = 1; i < all.size(); ++i) best = first_top(best, all[i], M);
     *tokens = at::empty({M}, x.options().dtype(at::kLong));
-    int64_t* t = tokens->data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) {
-      std::vector<std::pair<int64_t, int64_t>> answers;
-      for (const auto& f : found) answers.emplace_back(f.first, f.second[m]);
-      t[m] = combine_chunk_argmax(yp + m * V, answers);
-    }
+    std::copy(best.index.begin(), best.index.begin() + M, tokens->data_ptr<int64_t>());
   };
   if (dtype == at::kFloat) run(weight.data_ptr<float>());
   else run(weight.data_ptr<c10::BFloat16>());
@@ -224,8 +312,8 @@ int64_t combine_chunk_argmax(const T* p, std::vector<std::pair<int64_t, int64_t>
   return best;
 }
 
-// argmax_row over p[0, V) as the threads split it: each chunk of at::parallel_for(0, V, kLinearGrain) (the split of
-// the few-row pass, so that each thread reads the logits it wrote, from its own caches) finds its first largest,
+// argmax_row over p[0, V) as the threads split it: each chunk of at::parallel_for(0, V, kLinearGrain) (the shares the
+// few-row pass's threads start from, so that each thread mostly reads the logits it wrote) finds its first largest,
 // and the chunks' answers are combined in order: the first NaN, else the first of the largest (a later chunk only
 // where strictly larger). On one thread, or a row of under 2 * kLinearGrain, argmax_row itself.
 template <typename T>

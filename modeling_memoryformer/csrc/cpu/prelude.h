@@ -42,6 +42,8 @@
 // - isa() -> the vector layer compiled in ("AVX512", "AVX2", "NEON", "DEFAULT");
 //   machine_info() -> [L1d, L2, L3 bytes, threads, vector bytes] as the strategy choice sees them;
 //   set_cache_sizes(l1, l2, l3) overrides the detected caches (0, 0, 0: detect again);
+//   linear_rows_balance(slot, us) -> the pieces linear_rows's last pass took from another thread's share; slot >= 0
+//   makes that thread start us microseconds late in later passes (tests; -1: off, see linear_rows.h);
 //   plan(N, K, P, D, dtype, backward) -> the strategy "auto" picks for that shape here;
 //   lookup_strategies() -> the names lookup_strategy takes besides "auto" (kStrategies, their one list).
 //
@@ -108,6 +110,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -117,6 +120,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>

@@ -31,6 +31,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
 // registered for every backend.
 MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_max", &linear_rows_max_op);
+  m.impl("linear_rows_balance", &linear_rows_balance_op);
   m.impl("release_gradient_pool", &release_gradient_pool);
   m.impl("isa", &isa_op);
   m.impl("machine_info", &machine_info_op);

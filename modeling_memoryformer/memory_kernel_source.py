@@ -1841,11 +1841,12 @@ at::Tensor int8_lookup_op(const at::Tensor& rows, const at::Tensor& scores, cons
 // ------------------------------------------------------------------------------------------------ few-row linear
 // y = x W^T (+ b) for a few rows of x (decoding: the LM head of one token reads a [vocab, d] weight for one row of
 // output). The output columns are split over the threads in contiguous ranges (balanced as they run: "the threads'
-// shares" below), so the pass streams W once; each thread takes R weight rows at a time and keeps one sum per (row of x, weight row) in a vector register: M x R
-// independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector loaded once for R weight rows. The sums are
-// kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's array of sums on the stack (a store and a
-// reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of docs/performance.md, and
-// the array of fVec that replaced it kept 7 of its 8 sums there still (GCC 12); on a 2-vCPU Zen 1 the MF-base head
+// shares" below), so the pass streams W once; each thread takes R weight rows at a time and keeps one sum per (row of
+// x, weight row) in a vector register: M x R independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector
+// loaded once for R weight rows. The sums are kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's
+// array of sums on the stack (a store and a reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight
+// on the Zen 3 of docs/performance.md, and the array of fVec that replaced it kept 7 of its 8 sums there still (GCC
+// 12); on a 2-vCPU Zen 1 the MF-base head
 // (50304 x 1024 bf16) went from 5.5 to 4.7-5.0 ms with them in registers, in a copy of this loop (docs/kernel.md).
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
@@ -1902,8 +1903,8 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, O* y, 
 // is done takes the pieces left at the back of another's. So the pass ends when the rows do, not when the slower
 // thread's half does: inside MF-tiny's `generate` on the 2-vCPU Zen 1 of docs/performance.md one thread of the static
 // split finished its half 350-800 us after the other in some processes (the head 3.0-3.2 ms against 2.4-2.5 ms where
-// the halves kept pace; which half was slow moved between processes, so it was not one core), and on CPUs with cores
-// of two speeds one half always would. A slot's own pieces are contiguous, so its stream and its prefetch run across
+// the halves kept pace; which half was late moved between processes), and on CPUs with cores of two speeds one half
+// always would. A slot's own pieces are contiguous, so its stream and its prefetch run across
 // them as across one range. Each output is one weight row's sum, whoever computes it: the same bits on any split.
 constexpr int64_t kLinearGrain = 1024;              // rows per slot at least
 constexpr int64_t kLinearPieceBytes = 256 << 10;    // weight bytes per piece (rows: a multiple of 8)

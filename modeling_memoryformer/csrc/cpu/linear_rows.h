@@ -10,8 +10,8 @@
 // loaded once for R weight rows. The sums are kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's
 // array of sums on the stack (a store and a reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight
 // on the Zen 3 of docs/performance.md, and the array of fVec that replaced it kept 7 of its 8 sums there still (GCC
-// 12); on a 2-vCPU Zen 1 the MF-base head
-// (50304 x 1024 bf16) went from 5.5 to 4.7-5.0 ms with them in registers, in a copy of this loop (docs/kernel.md).
+// 12); on a 2-vCPU Zen 1 the MF-base head (50304 x 1024 bf16) went from 5.5 to 4.7-5.0 ms with them in registers, in
+// a copy of this loop (docs/kernel.md).
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
 // Sums of one block: R weight rows [w, w + R * D) against M rows of x, each reduced to a float after its vector
@@ -68,8 +68,8 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, O* y, 
 // thread's half does: inside MF-tiny's `generate` on the 2-vCPU Zen 1 of docs/performance.md one thread of the static
 // split finished its half 350-800 us after the other in some processes (the head 3.0-3.2 ms against 2.4-2.5 ms where
 // the halves kept pace; which half was late moved between processes), and on CPUs with cores of two speeds one half
-// always would. A slot's own pieces are contiguous, so its stream and its prefetch run across
-// them as across one range. Each output is one weight row's sum, whoever computes it: the same bits on any split.
+// always would. A slot's own pieces are contiguous, so its stream and its prefetch run across them as across one
+// range. Each output is one weight row's sum, whoever computes it: the same bits on any split.
 constexpr int64_t kLinearGrain = 1024;              // rows per slot at least
 constexpr int64_t kLinearPieceBytes = 256 << 10;    // weight bytes per piece (rows: a multiple of 8)
 
@@ -98,7 +98,7 @@ int64_t linear_piece_rows(int64_t D) {
   return std::max<int64_t>(8, kLinearPieceBytes / std::max<int64_t>(1, D * int64_t(sizeof(T))) / 8 * 8);
 }
 
-// The slots a pass of V rows runs on (1: no split), the same for the caller's per-slot state.
+// The slots a pass of V rows runs on (1: no split): linear_rows_kernel's S, which its caller sizes per-slot state by.
 template <typename T>
 int64_t linear_slots(int64_t D, int64_t V) {
   if (at::in_parallel_region()) return 1;
@@ -117,7 +117,7 @@ struct NoChunk {
 };
 
 template <int64_t M, typename T, typename O, typename Chunk = NoChunk>
-void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V,
+void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V, int64_t S,
                         const Chunk& chunk = Chunk()) {
   constexpr int64_t R = M == 1 ? 8 : M == 2 ? 4 : 2;   // weight rows per block: M x R chains
   // Rows [v0, v1) of slot s, prefetching up to `end` (the end of the slot's own range: its next piece).
@@ -127,7 +127,6 @@ void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_
     for (; v < v1; ++v) linear_rows_block<M, 1>(x, w + v * D, b, y, D, V, v, end);
     chunk(s, v0, v1);
   };
-  const int64_t S = linear_slots<T>(D, V);
   if (S == 1) {
     rows(0, 0, V, w + V * D);
     linear_stolen.store(0);
@@ -171,6 +170,14 @@ inline PieceTop first_top(const PieceTop& a, const PieceTop& b, int64_t M) {
   return c;
 }
 
+// The answer over the union of the ranges of `tops` (any order, at least one): first_top of them in row order.
+inline PieceTop first_top_in_order(std::vector<PieceTop>& tops, int64_t M) {
+  std::sort(tops.begin(), tops.end(), [](const PieceTop& a, const PieceTop& b) { return a.start < b.start; });
+  PieceTop best = tops[0];
+  for (size_t i = 1; i < tops.size(); ++i) best = first_top(best, tops[i], M);
+  return best;
+}
+
 // y = x W^T (+ b) for x [M, D] with 1 <= M <= kLinearMaxRows, W [V, D], b [V], all float32 or all bfloat16 (see
 // linear_rows_kernel): sums in float32, y in their dtype (bfloat16: rounded once, as F.linear), each thread storing
 // its own outputs (a float32 y converted afterwards was a second pass over the logits, its halves on the other core).
@@ -201,25 +208,26 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
   auto y = at::empty({M, V}, x.options());
   const float* xp = xf.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto pass = [&](auto* wp, const auto& chunk) {
+  auto pass = [&](auto* wp, int64_t S, const auto& chunk) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     T* yp = y.data_ptr<T>();
     switch (M) {
-      case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V, chunk); break;
-      case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V, chunk); break;
-      case 3: linear_rows_kernel<3>(xp, wp, bp, yp, D, V, chunk); break;
-      default: linear_rows_kernel<4>(xp, wp, bp, yp, D, V, chunk); break;
+      case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V, S, chunk); break;
+      case 2: linear_rows_kernel<2>(xp, wp, bp, yp, D, V, S, chunk); break;
+      case 3: linear_rows_kernel<3>(xp, wp, bp, yp, D, V, S, chunk); break;
+      default: linear_rows_kernel<4>(xp, wp, bp, yp, D, V, S, chunk); break;
     }
   };
   auto run = [&](auto* wp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
-    if (tokens == nullptr) return pass(wp, NoChunk());
+    const int64_t S = linear_slots<T>(D, V);
+    if (tokens == nullptr) return pass(wp, S, NoChunk());
     // Every piece's first largest per row, found right after the piece is stored, merged into the slot's runs of
     // adjacent pieces (a slot takes its own in order and another's backwards), then the runs in row order: the first
     // NaN, else the first of the largest (a later range only where strictly larger), as argmax_rows.
     const T* yp = y.data_ptr<T>();
-    std::vector<std::vector<PieceTop>> tops(linear_slots<T>(D, V));
-    pass(wp, [&](int64_t s, int64_t v0, int64_t v1) {
+    std::vector<std::vector<PieceTop>> tops(S);
+    pass(wp, S, [&](int64_t s, int64_t v0, int64_t v1) {
       PieceTop top{v0, v1, {}, {}};
       for (int64_t m = 0; m < M; ++m) {
         top.index[m] = v0 + argmax_row(yp + m * V + v0, v1 - v0);
@@ -232,9 +240,7 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
     });
     std::vector<PieceTop> all;
     for (const auto& mine : tops) all.insert(all.end(), mine.begin(), mine.end());
-    std::sort(all.begin(), all.end(), [](const PieceTop& a, const PieceTop& b) { return a.start < b.start; });
-    PieceTop best = all[0];
-    for (size_t i = 1; i < all.size(); ++i) best = first_top(best, all[i], M);
+    const PieceTop best = first_top_in_order(all, M);
     *tokens = at::empty({M}, x.options().dtype(at::kLong));
     std::copy(best.index.begin(), best.index.begin() + M, tokens->data_ptr<int64_t>());
   };
@@ -299,35 +305,23 @@ int64_t argmax_row(const T* p, int64_t V) {
   return 0;   // not reached: best is one of the values
 }
 
-// The row's argmax from its chunks' (start, first largest) in any order: the first NaN, else the first of the
-// largest (a later chunk only where strictly larger).
-template <typename T>
-int64_t combine_chunk_argmax(const T* p, std::vector<std::pair<int64_t, int64_t>>& found) {
-  std::sort(found.begin(), found.end());
-  int64_t best = found[0].second;
-  for (size_t c = 1; c < found.size(); ++c) {
-    const float b = float(p[best]), v = float(p[found[c].second]);
-    if (b != b) break;                     // a NaN: nothing later comes first
-    if (v != v || v > b) best = found[c].second;
-  }
-  return best;
-}
-
 // argmax_row over p[0, V) as the threads split it: each chunk of at::parallel_for(0, V, kLinearGrain) (the shares the
 // few-row pass's threads start from, so that each thread mostly reads the logits it wrote) finds its first largest,
-// and the chunks' answers are combined in order: the first NaN, else the first of the largest (a later chunk only
-// where strictly larger). On one thread, or a row of under 2 * kLinearGrain, argmax_row itself.
+// and the chunks' answers are combined in order as the few-row pass combines its pieces' (first_top_in_order: the
+// first NaN, else the first of the largest). On one thread, or a row of under 2 * kLinearGrain, argmax_row itself.
 template <typename T>
 int64_t argmax_row_split(const T* p, int64_t V) {
   if (V < 2 * kLinearGrain || at::get_num_threads() == 1 || at::in_parallel_region()) return argmax_row(p, V);
   std::mutex mutex;
-  std::vector<std::pair<int64_t, int64_t>> found;   // (chunk start, its answer)
+  std::vector<PieceTop> found;   // each chunk's range, first largest and its value
   at::parallel_for(0, V, kLinearGrain, [&](int64_t v0, int64_t v1) {
-    const int64_t i = v0 + argmax_row(p + v0, v1 - v0);
+    PieceTop top{v0, v1, {}, {}};
+    top.index[0] = v0 + argmax_row(p + v0, v1 - v0);
+    top.value[0] = float(p[top.index[0]]);
     std::lock_guard<std::mutex> lock(mutex);
-    found.emplace_back(v0, i);
+    found.push_back(top);
   });
-  return combine_chunk_argmax(p, found);
+  return first_top_in_order(found, 1).index[0];
 }
 
 at::Tensor argmax_rows_op(const at::Tensor& x) {

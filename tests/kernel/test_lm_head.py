@@ -64,13 +64,17 @@ def test_few_rows_take_the_fused_pass_and_equal_the_product(shape, with_bias):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_block_shape_and_tail_equals_the_product(rows, dtype):
-    """The pass takes 8, 4 or 2 weight rows at a time (1, 2, 3-4 rows of x), then the rows left one at a time, each
-    thread its own range (2050 rows split over threads at an odd row), and a width of 203 leaves a tail below one
-    vector on every target: every block shape, remainder and tail against the float64 product of the same values."""
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 203, generator=g).to(dtype)
-    w = torch.randn(2050, 203, generator=g).to(dtype)
+@pytest.mark.parametrize("width", [40, 203, 250])
+def test_every_block_shape_and_tail_equals_the_product(rows, dtype, width):
+    """The pass takes one weight row at a time (1-2 rows of x, or a float32 weight: 4 chains of whole steps of 4
+    vectors, then single vectors, then the tail), else 2 weight rows at a time (3-4 rows of bfloat16 x: whole vectors,
+    then the tail), then the rows left one at a time, each thread its own range (2050 rows split over threads at an odd
+    row). The widths leave every part on every target (8, 16 or 4 lanes): 40 is below one step of 4 vectors of 16,
+    203 and 250 leave single vectors and a tail below one vector: every loop, remainder and tail against the float64
+    product of the same values."""
+    g = torch.Generator().manual_seed(rows * 1000 + width)
+    x = torch.randn(rows, width, generator=g).to(dtype)
+    w = torch.randn(2050, width, generator=g).to(dtype)
     b = torch.randn(2050, generator=g).to(dtype)
     for threads in (1, 2):
         with torch_threads(threads):

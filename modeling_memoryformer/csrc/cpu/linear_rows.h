@@ -5,13 +5,21 @@
 // ------------------------------------------------------------------------------------------------ few-row linear
 // y = x W^T (+ b) for a few rows of x (decoding: the LM head of one token reads a [vocab, d] weight for one row of
 // output). The output columns are split over the threads in contiguous ranges (balanced as they run: "the threads'
-// shares" below), so the pass streams W once; each thread takes R weight rows at a time and keeps one sum per (row of
-// x, weight row) in a vector register: M x R independent FMA chains (8, 8, 6 and 8 for M = 1 .. 4), each x vector
-// loaded once for R weight rows. The sums are kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's
-// array of sums on the stack (a store and a reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight
-// on the Zen 3 of docs/performance.md, and the array of fVec that replaced it kept 7 of its 8 sums there still (GCC
-// 12); on a 2-vCPU Zen 1 the MF-base head (50304 x 1024 bf16) went from 5.5 to 4.7-5.0 ms with them in registers, in
-// a copy of this loop (docs/kernel.md).
+// shares" below), so the pass streams W once. Two loops, by what bounds them:
+// - one weight row at a time (linear_rows_row: M = 1 and 2, and float32 weights): the weight is read as one
+//   sequential stream per thread, each output summed in kLinearChains interleaved vector chains, with two software
+//   prefetches, into L1 near and into L2 far ahead. On the 2-vCPU Intel Xeon (AMX, L2 2 MB) of docs/performance.md
+//   this streams a cold bfloat16 head at 32-36 GB/s where the blocked loop below took 22 (a torch.dot read probe:
+//   29-31; its L3 serves part of a re-read head, at up to 57 GB/s either way).
+// - R weight rows at a time (linear_rows_block: 3 and 4 rows of bfloat16 x): one sum per (row of x, weight row), M x
+//   R chains, each x vector loaded once for R weight rows. With 3-4 rows of x a bfloat16 head is bound by the core
+//   (each weight vector widened, then 3-4 multiply-adds, each x vector loaded again per weight row in the loop above),
+//   and sharing the x loads over two weight rows keeps the blocked loop 10-15% ahead there (3.3 against 3.8 ms for
+//   MF-small's head at 4 rows).
+// The sums are kept in registers, as RawVec (prelude.h): GCC kept an earlier kernel's array of sums on the stack (a
+// store and a reload per FMA), which bounded a core at about 11 GB/s of bfloat16 weight on the Zen 3 of
+// docs/performance.md (docs/kernel.md). A row's sums are in one order whatever the split over threads, so its outputs
+// keep their bits; the order differs between the two loops (1-2 rows of x against 3-4 of bfloat16).
 constexpr int64_t kLinearMaxRows = 4;   // rows of x handled in registers; the op takes up to this many
 
 // Sums of one block: R weight rows [w, w + R * D) against M rows of x, each reduced to a float after its vector
@@ -57,6 +65,58 @@ inline void linear_rows_block(const float* x, const T* w, const float* b, O* y, 
       for (int64_t j = Dv; j < D; ++j) sum += x[m * D + j] * float(w[r * D + j]);
       y[m * V + v + r] = static_cast<O>(b ? sum + b[v + r] : sum);
     }
+}
+
+// One weight row at a time: row w [D] against M rows of x, each output summed in kLinearChains vector chains (chain c
+// takes vectors c, c + C, c + 2C, ... of the row; then the D % (C * kLanes) vectors on the first chain), the chains
+// added as (0 + 1) + (2 + 3), reduced, then the D % kLanes tail and the bias. Prefetches, every cache line of the
+// stream once: into L1 kLinearNearBytes ahead, into L2 kLinearFarBytes ahead (on the Xeon above: the near one alone
+// 30 GB/s cold, with the far one 32-36; only the far one, 26-27), both only within the thread's range `end`.
+constexpr int64_t kLinearChains = 4;            // chains per output (one, latency-bound, read 24-28 GB/s in a copy)
+constexpr int64_t kLinearNearBytes = 2 << 10;   // L2 -> L1 in flight
+constexpr int64_t kLinearFarBytes = 16 << 10;   // memory -> L2 in flight (8-32 KB measured the same)
+
+template <int64_t M, typename T, typename O>
+inline void linear_rows_row(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V, int64_t v,
+                            const char* end) {
+  constexpr int64_t L = kLanes, C = kLinearChains, S = C * L;
+  constexpr int64_t B = S * int64_t(sizeof(T));   // bytes of weight one step reads
+  static_assert(C == 4, "the chains are added as (0 + 1) + (2 + 3) below");
+  const int64_t Ds = D - D % S, Dv = D - D % L;
+  const char* near = reinterpret_cast<const char*>(w) + kLinearNearBytes;
+  const char* far = reinterpret_cast<const char*>(w) + kLinearFarBytes;
+  RawVec acc[M * C];   // in registers (RawVec: see prelude.h)
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < M * C; ++i) acc[i] = raw_vec(fVec(0.f));
+  int64_t j = 0;
+  for (; j < Ds; j += S, near += B, far += B) {
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < B; c += 64) {
+      if (near + c < end) __builtin_prefetch(near + c);
+      if (far + c < end) __builtin_prefetch(far + c, 0, 2);
+    }
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < C; ++c) {
+      const fVec u = load_floats(w + j + c * L);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < M; ++m)
+        acc[m * C + c] = raw_vec(at::vec::fmadd(fVec::loadu(x + m * D + j + c * L), u, from_raw(acc[m * C + c])));
+    }
+  }
+  for (; j < Dv; j += L) {
+    const fVec u = load_floats(w + j);
+#pragma GCC unroll 4
+    for (int64_t m = 0; m < M; ++m)
+      acc[m * C] = raw_vec(at::vec::fmadd(fVec::loadu(x + m * D + j), u, from_raw(acc[m * C])));
+  }
+  const auto add = [](fVec& p, fVec& q) { return p + q; };
+  for (int64_t m = 0; m < M; ++m) {
+    const RawVec* a = acc + m * C;
+    fVec sum4 = (from_raw(a[0]) + from_raw(a[1])) + (from_raw(a[2]) + from_raw(a[3]));
+    float sum = at::vec::vec_reduce_all<float>(add, sum4);
+    for (int64_t k = Dv; k < D; ++k) sum += x[m * D + k] * float(w[k]);
+    y[m * V + v] = static_cast<O>(b ? sum + b[v] : sum);
+  }
 }
 
 // T: the weight's dtype (float32, or bfloat16 widened in registers: half the bytes to stream); x and b float32, y
@@ -119,12 +179,18 @@ struct NoChunk {
 template <int64_t M, typename T, typename O, typename Chunk = NoChunk>
 void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V, int64_t S,
                         const Chunk& chunk = Chunk()) {
-  constexpr int64_t R = M == 1 ? 8 : M == 2 ? 4 : 2;   // weight rows per block: M x R chains
+  // The loop (see the top of this part): one weight row at a time, or 2 at a time for 3-4 rows of bfloat16 x.
+  constexpr bool by_row = M <= 2 || std::is_same_v<T, float>;
+  constexpr int64_t R = 2;
   // Rows [v0, v1) of slot s, prefetching up to `end` (the end of the slot's own range: its next piece).
   const auto rows = [&](int64_t s, int64_t v0, int64_t v1, const T* end) {
     int64_t v = v0;
-    for (; v + R <= v1; v += R) linear_rows_block<M, R>(x, w + v * D, b, y, D, V, v, end);
-    for (; v < v1; ++v) linear_rows_block<M, 1>(x, w + v * D, b, y, D, V, v, end);
+    if constexpr (by_row) {
+      for (; v < v1; ++v) linear_rows_row<M>(x, w + v * D, b, y, D, V, v, reinterpret_cast<const char*>(end));
+    } else {
+      for (; v + R <= v1; v += R) linear_rows_block<M, R>(x, w + v * D, b, y, D, V, v, end);
+      for (; v < v1; ++v) linear_rows_block<M, 1>(x, w + v * D, b, y, D, V, v, end);
+    }
     chunk(s, v0, v1);
   };
   if (S == 1) {

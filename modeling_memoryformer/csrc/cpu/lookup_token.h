@@ -66,32 +66,35 @@ inline const T* span_ahead(const T* tables, int64_t stride, const int64_t* rn, c
 // In a standalone copy on the 2-vCPU Zen 1 of docs/performance.md (2 threads, cold bfloat16 tables on huge pages),
 // against the span-major order: MF-base's Q/K/V shape 66-68 -> 52-53 us, its Memory Block's 35 -> 28-32 and 30-35 ->
 // 26-33 us, MF-small's Q/K/V 42-43 -> 31-37 us; blocks of 4-12 rows and 4-16 spans ahead measured, 8 and 4 the best or
-// within 5% of it on every shape.
+// within 5% of it on every shape. "kBlockAhead spans on" counts in the order a row slot of the block reads them: this
+// row's spans, then the spans of the row kBlockRows on, ... (a unit of fewer spans than kBlockAhead prefetches blocks
+// ahead). Before, a unit of 1-3 spans (kCols = 256 on AVX-512: MF-base's and MF-small's Memory Blocks over 2
+// threads) had only its first block prefetched. On a 2-vCPU AMD EPYC Zen 4 (lookup op, cold bfloat16 tables, 2 threads,
+// in-process alternation, 3 runs): MF-base's Memory Block 32-33 -> 29 us and 22 -> 19 us, its Q/K/V 47-49 -> 46-48 us
+// (2 and 6 spans ahead within 2% of 4); MF-small generate 4.51 -> 4.39 ms per token, MF-base 8.90 -> 8.83.
 constexpr int64_t kBlockRows = 8, kBlockAhead = 4;
 
 template <typename T>
 inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
                              const float* s, int64_t K, int64_t cb, int64_t ce) {
   constexpr int64_t V = kCols / kLanes;
+  const int64_t S = (ce - cb) / kCols;   // spans per row of the unit
+  // Row r's span at `at` (r past K: the next token's row r - K, where there is one), prefetched.
+  const auto fetch = [&](int64_t r, int64_t at) {
+    if (r < K) prefetch_span(tables + rn[r] * stride + at, kCols);
+    else if (rnext != nullptr && r - K < K) prefetch_span(tables + rnext[r - K] * stride + at, kCols);
+  };
   for (int64_t k = 0; k < std::min(K, kBlockRows); ++k)
-    for (int64_t a = 0; a < kBlockAhead && cb + a * kCols < ce; ++a)
-      prefetch_span(tables + rn[k] * stride + cb + a * kCols, kCols);
+    for (int64_t a = 0; a < kBlockAhead; ++a) fetch(k + a / S * kBlockRows, cb + a % S * kCols);
   for (int64_t kb = 0; kb < K; kb += kBlockRows) {
     const int64_t ke = std::min(K, kb + kBlockRows);
     for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
       fVec acc[V];
       for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
-      const int64_t ahead = c0 + kBlockAhead * kCols;
+      // kBlockAhead spans on in the row's slot of the block order: rows kBlockRows apart, each row's spans in turn
+      const int64_t a = (c0 - cb) / kCols + kBlockAhead, down = a / S * kBlockRows, at = cb + a % S * kCols;
       for (int64_t k = kb; k < ke; ++k) {
-        if (ahead < ce) {
-          prefetch_span(tables + rn[k] * stride + ahead, kCols);
-        } else {   // the same row of the next block (or of the next token's first block), from its first span
-          const int64_t next = k - kb + ke, at = cb + (ahead - ce);
-          if (at < ce) {
-            if (next < K) prefetch_span(tables + rn[next] * stride + at, kCols);
-            else if (rnext != nullptr && next - K < K) prefetch_span(tables + rnext[next - K] * stride + at, kCols);
-          }
-        }
+        fetch(k + down, at);
         const T* t = tables + rn[k] * stride + c0;
         const fVec sk(s[k]);
         for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);

@@ -20,6 +20,7 @@ model = build_in_dtype("mf", preset, "bf16")
 model.generation_config.eos_token_id = None
 head_bytes = model.get_output_embeddings().weight.nbytes
 seconds = {"stack": [], "head": []}
+starts: list[float] = []   # when each head call starts: a decode step is the interval between two
 
 
 def timed(cls, name: str, key: str) -> None:
@@ -27,6 +28,8 @@ def timed(cls, name: str, key: str) -> None:
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
+        if key == "head":
+            starts.append(start)
         out = method(*args, **kwargs)
         seconds[key].append(time.perf_counter() - start)
         return out
@@ -39,7 +42,7 @@ timed(MemoryFormerLMHead, "logits_and_argmax", "head")
 ids = torch.randint(0, model.config.vocab_size - 1, (1, 16))
 kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=33, do_sample=False, pad_token_id=0)
 for _ in range(6):
-    for values in seconds.values():
+    for values in (*seconds.values(), starts):
         values.clear()
     probe = memory_read_gbps(repeats=2)
     with torch.inference_mode():
@@ -47,5 +50,7 @@ for _ in range(6):
         model.generate(ids, **kwargs)
         total = time.perf_counter() - start
     stack, head = (statistics.median(seconds[key][1:]) * 1e3 for key in ("stack", "head"))
-    print(f"probe {probe:.1f} GB/s, generate (prefill + 33 tokens) {total * 1e3:.0f} ms, stack {stack:.2f} ms, "
-          f"head {head:.2f} ms ({head_bytes / head / 1e6:.1f} GB/s)", flush=True)
+    step = statistics.median(b - a for a, b in zip(starts[1:], starts[2:])) * 1e3
+    print(f"probe {probe:.1f} GB/s, generate (prefill + 33 tokens) {total * 1e3:.0f} ms, step {step:.2f} ms: stack "
+          f"{stack:.2f} ms, head {head:.2f} ms ({head_bytes / head / 1e6:.1f} GB/s), "
+          f"the rest {step - stack - head:.2f} ms", flush=True)

@@ -834,10 +834,45 @@ inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const
   }
 }
 
-// The whole spans of a unit [cb, ce) in the row-block order, for lookup_kernel and the int8 pass: a thread's buffer of
-// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked (the
-// next token's rows prefetched only where no ragged span follows, which reads them itself), handed to finish(sums, w),
-// w = the whole spans' width. Returns where a ragged last span starts (ce where there is none).
+// A narrow unit (at most kNarrowSpans whole spans per row) in the span order instead: each span of all K rows in
+// table order, row k + kRowsAhead's span prefetched as row k's is summed (past the last row, the next span's first
+// rows, then the next token's), the same sums as add_rows_blocked (every column adds rows 0..K-1 in table order, the
+// same expression): the same bits. On a 2-vCPU AMD EPYC Zen 4 (AVX-512: 256-column spans, so MF-base's and
+// MF-small's Memory Blocks and MF-tiny's Q/K/V split into 1-3 spans per thread), timers inside decode_stack
+// alternating the two orders step by step in one process (benchmarks/results/2026-11-29-zen4): MF-base's Memory
+// Block lookups 1.2-1.4 -> 0.9-1.1 ms per step (24 layers; its Q/K/V units of 6 spans: the same time in either
+// order), MF-small's 367 -> 283 us, MF-tiny's (its Q/K/V too) 355 -> 264 us; int8 MF-base's stack 3.36-3.42 ->
+// 3.08-3.24 ms. An AVX2 build (64-column spans) has no unit this narrow at these shapes; on the same Zen 4 it ran
+// MF-base's Q/K/V units (24 spans) in the row-block order in 1.04 and 1.48 ms per step against 1.85 and 2.30 in the
+// span order (6 and 12 rows ahead): the rule goes by spans per unit.
+constexpr int64_t kNarrowSpans = 3, kRowsAhead = 4;
+
+template <typename T>
+inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
+                                const float* s, int64_t K, int64_t cb, int64_t ce) {
+  constexpr int64_t V = kCols / kLanes;
+  for (int64_t k = 0; k < std::min(K, kRowsAhead); ++k) prefetch_span(tables + rn[k] * stride + cb, kCols);
+  for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
+    fVec acc[V];
+    for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t a = k + kRowsAhead;
+      if (a < K) prefetch_span(tables + rn[a] * stride + c0, kCols);
+      else if (c0 + kCols < ce) prefetch_span(tables + rn[a - K] * stride + c0 + kCols, kCols);
+      else if (rnext != nullptr && a - K < K) prefetch_span(tables + rnext[a - K] * stride + cb, kCols);
+      const T* t = tables + rn[k] * stride + c0;
+      const fVec sk(s[k]);
+      for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
+    }
+    for (int64_t i = 0; i < V; ++i) acc[i].store(sums + (c0 - cb) + i * kLanes);
+  }
+}
+
+// The whole spans of a unit [cb, ce), for lookup_kernel and the int8 pass: a thread's buffer of
+// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked or,
+// for a narrow unit, add_rows_span_order (the next token's rows prefetched only where no ragged span follows, which
+// reads them itself), handed to finish(sums, w), w = the whole spans' width. Returns where a ragged last span starts
+// (ce where there is none).
 template <typename T, typename Start, typename Finish>
 int64_t sum_whole_spans(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
                         int64_t K, int64_t cb, int64_t ce, Start start, Finish finish) {
@@ -847,7 +882,9 @@ int64_t sum_whole_spans(const T* tables, int64_t stride, const int64_t* rn, cons
   if (static_cast<int64_t>(buffer.size()) < whole - cb) buffer.resize(whole - cb);
   float* sums = buffer.data();
   start(sums, whole - cb);
-  add_rows_blocked(sums, tables, stride, rn, whole == ce ? rnext : nullptr, s, K, cb, whole);
+  const int64_t* next = whole == ce ? rnext : nullptr;
+  if ((whole - cb) / kCols <= kNarrowSpans) add_rows_span_order(sums, tables, stride, rn, next, s, K, cb, whole);
+  else add_rows_blocked(sums, tables, stride, rn, next, s, K, cb, whole);
   finish(static_cast<const float*>(sums), whole - cb);
   return whole;
 }

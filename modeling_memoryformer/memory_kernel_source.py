@@ -858,8 +858,8 @@ inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, co
     for (int64_t k = 0; k < K; ++k) {
       const int64_t a = k + kRowsAhead;
       if (a < K) prefetch_span(tables + rn[a] * stride + c0, kCols);
-      else if (c0 + kCols < ce) prefetch_span(tables + rn[a - K] * stride + c0 + kCols, kCols);
-      else if (rnext != nullptr && a - K < K) prefetch_span(tables + rnext[a - K] * stride + cb, kCols);
+      else if (a - K < K && c0 + kCols < ce) prefetch_span(tables + rn[a - K] * stride + c0 + kCols, kCols);
+      else if (a - K < K && rnext != nullptr) prefetch_span(tables + rnext[a - K] * stride + cb, kCols);
       const T* t = tables + rn[k] * stride + c0;
       const fVec sk(s[k]);
       for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);

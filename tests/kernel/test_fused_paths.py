@@ -143,6 +143,27 @@ def test_token_kernel_sums_rows_in_order_in_float32_in_whole_and_ragged_spans(n,
     assert torch.equal(ragged, y[:, :-24])
 
 
+@pytest.mark.parametrize("num_tables", [1, 2, 3, 5])
+@pytest.mark.parametrize("n, out_features", [(1, 600), (3, 512), (2, 776)])
+def test_token_kernel_sums_few_rows_in_narrow_units_in_order(n, out_features, num_tables):
+    """A unit of at most 3 whole spans per row (with AVX-512: 1-3 spans of 256 columns) is summed span by span over
+    all K rows, the rows ahead prefetched: past the last row the next span's first rows, then the next token's, which
+    must stay within the K rows there are when K is smaller than the distance. The float32 sums are still taken row
+    by row in table order, bit for bit, on 1, 2 and 3 threads."""
+    rows, scores, tables, bias = hashed_inputs(n, num_tables, 4, out_features, torch.bfloat16, seed=5)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(ops().lookup_strategy(rows, scores, tables, bias, 16, "token"))
+    finally:
+        torch.set_num_threads(before)
+    assert one_of_the_roundings(results[0], bias.float().expand(n, -1), scores.float(), tables[rows].float(),
+                                torch.bfloat16)
+    assert all(torch.equal(y, results[0]) for y in results[1:])
+
+
 @pytest.mark.parametrize("n, out_features", [(1, 1024), (2, 520)])
 def test_int8_token_pass_sums_rows_in_order_in_float32_in_whole_and_ragged_spans(n, out_features):
     """int8 tables: the weights s_k scale_k rounded to float32, the per-token offset sum_k s_k offset_k, then

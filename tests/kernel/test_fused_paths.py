@@ -143,14 +143,15 @@ def test_token_kernel_sums_rows_in_order_in_float32_in_whole_and_ragged_spans(n,
     assert torch.equal(ragged, y[:, :-24])
 
 
-@pytest.mark.parametrize("num_tables", [1, 2, 3, 5])
-@pytest.mark.parametrize("n, out_features", [(1, 600), (3, 512), (2, 776), (2, 160), (3, 192)])
+@pytest.mark.parametrize("num_tables", [1, 2, 3, 5, 13])
+@pytest.mark.parametrize("n, out_features", [(1, 600), (3, 512), (2, 776), (2, 160), (3, 192), (1, 3072), (2, 1536),
+                                             (1, 384), (2, 448)])
 def test_token_kernel_sums_few_rows_in_narrow_units_in_order(n, out_features, num_tables):
-    """A unit of at most 3 whole spans per row (spans of 256 columns with AVX-512, 64 with AVX2: the widths here give
-    narrow units under either) is summed span by span over all K rows, the rows ahead prefetched: past the last row
-    the next span's first rows, then the next token's, which must stay within the K rows there are when K is smaller
-    than the distance. The float32 sums are still taken row by row in table order, bit for bit, on 1, 2 and 3
-    threads."""
+    """A unit of at most 6 whole spans per row (spans of 256 columns with AVX-512, 64 with AVX2: the widths here give
+    units of 1-7 spans under either, 6 at 3072 and 1536 columns on 1-2 threads under AVX-512, at 384 under AVX2, 7 at
+    448) is summed span by span over all K rows, the rows 4 and 12 ahead prefetched: past the last row the next span's
+    first rows, then the next token's, which must stay within the K rows there are when K is smaller than the
+    distance. The float32 sums are still taken row by row in table order, bit for bit, on 1, 2 and 3 threads."""
     rows, scores, tables, bias = hashed_inputs(n, num_tables, 4, out_features, torch.bfloat16, seed=5)
     before = torch.get_num_threads()
     results = []

@@ -105,17 +105,26 @@ inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const
 }
 
 // A narrow unit (at most kNarrowSpans whole spans per row) in the span order instead: each span of all K rows in
-// table order, row k + kRowsAhead's span prefetched as row k's is summed (past the last row, the next span's first
-// rows, then the next token's), the same sums as add_rows_blocked (every column adds rows 0..K-1 in table order, the
-// same expression): the same bits. On a 2-vCPU AMD EPYC Zen 4 (AVX-512: 256-column spans, so MF-base's and
-// MF-small's Memory Blocks and MF-tiny's Q/K/V split into 1-3 spans per thread), timers inside decode_stack
-// alternating the two orders step by step in one process (benchmarks/results/2026-11-29-zen4): MF-base's Memory
-// Block lookups 1.2-1.4 -> 0.9-1.1 ms per step (24 layers; its Q/K/V units of 6 spans: the same time in either
-// order), MF-small's 367 -> 283 us, MF-tiny's (its Q/K/V too) 355 -> 264 us; int8 MF-base's stack 3.36-3.42 ->
-// 3.08-3.24 ms. An AVX2 build (64-column spans) has no unit this narrow at these shapes; on the same Zen 4 it ran
-// MF-base's Q/K/V units (24 spans) in the row-block order in 1.04 and 1.48 ms per step against 1.85 and 2.30 in the
-// span order (6 and 12 rows ahead): the rule goes by spans per unit.
-constexpr int64_t kNarrowSpans = 3, kRowsAhead = 4;
+// table order, row k + kRowsAhead's span prefetched into L1 and row k + kRowsFar's into L2 as row k's is summed (past
+// the last row, the next span's first rows, then the next token's: span_ahead), the same sums as add_rows_blocked
+// (every column adds rows 0..K-1 in table order, the same expression): the same bits. The L2 prefetches keep more
+// reads in flight than L1's miss buffers hold. On a 2-vCPU AMD EPYC Zen 4 (AVX-512: 256-column spans), timers inside
+// decode_stack alternating the code before and after step by step in one process, both step parities
+// (benchmarks/results/2026-11-29-zen4 and 2026-11-29b-zen4), per step:
+// - the span order for units of 1-3 spans, L1 prefetches only, against the row-block order: MF-base's Memory Block
+//   lookups 1.2-1.4 -> 0.9-1.1 ms (24 layers), MF-small's 367 -> 283 us, MF-tiny's (its Q/K/V too) 355 -> 264 us;
+//   units of 6 spans (MF-base's Q/K/V) the same time in either order;
+// - with the L2 prefetches 12 rows ahead and units of up to 6 spans: MF-base's Q/K/V 906-932 -> 744-793 us, its
+//   Memory Block's layer 1 480-486 -> 391-407 us and layer 2 390-647 -> 349-387 us, its stack 2.86 -> 2.29-2.51 ms;
+//   MF-small's stack 889-923 -> 780-825 us, MF-tiny's 261-270 -> 242-245 us, int8 MF-base's 2.63-2.93 -> 2.49-2.69
+//   ms. The same L2 prefetches added to the row-block order (8-16 spans ahead) moved MF-base's Q/K/V by +6% to -11%
+//   from run to run: not taken.
+// An AVX2 build (64-column spans) on the same Zen 4, in this order: MF-tiny's Memory Block units (4 and 5 spans)
+// 55-61 -> 37-43 us per layer and step, MF-small's second Memory Block layer (6 spans) 181-499 -> 143-366 us; wider
+// units (7-24 spans: MF-small's first layer and Q/K/V, MF-base's) keep the row-block order, which ran MF-base's Q/K/V
+// in 1.04 and 1.48 ms per step against 1.85 and 2.30 in the span order with L1 prefetches 6 and 12 rows ahead: the
+// rule goes by spans per unit.
+constexpr int64_t kNarrowSpans = 6, kRowsAhead = 4, kRowsFar = 12;
 
 template <typename T>
 inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
@@ -126,10 +135,9 @@ inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, co
     fVec acc[V];
     for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
     for (int64_t k = 0; k < K; ++k) {
-      const int64_t a = k + kRowsAhead;
-      if (a < K) prefetch_span(tables + rn[a] * stride + c0, kCols);
-      else if (a - K < K && c0 + kCols < ce) prefetch_span(tables + rn[a - K] * stride + c0 + kCols, kCols);
-      else if (a - K < K && rnext != nullptr) prefetch_span(tables + rnext[a - K] * stride + cb, kCols);
+      int64_t w = 0;
+      if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsAhead)) prefetch_span(p, w);
+      if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar)) prefetch_span<2>(p, w);
       const T* t = tables + rn[k] * stride + c0;
       const fVec sk(s[k]);
       for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);

@@ -278,6 +278,43 @@ def test_two_caches_holding_the_same_tensors_never_write_each_others_positions(m
             assert torch.equal(fast_layer.keys, layer.keys) and torch.equal(fast_layer.values, layer.values)
 
 
+def test_a_freed_caches_buffers_serve_the_next_cache_without_new_pages(monkeypatch):
+    """The KV buffers a decode step makes go back to the kernel's pool when their cache is freed, and the next cache's
+    step takes them: no page of them is faulted in again (the C library maps buffers over 128 KB afresh and unmaps
+    them when freed). A buffer a user still holds a view of is not handed out: its values stay, and the steps on the
+    reused buffers give the modules' bits."""
+    import gc
+    import resource
+
+    model = tiny_model(attn_implementation="sdpa")
+    batch, length = 8, 300
+    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    room = length + 1 + max(64, (length + 1) // 4)
+    pages = batch * heads * room * head_dim * 4 // 4096   # of each buffer: over 128 KB
+    assert pages * 4096 > 128 << 10
+    token = torch.randint(1, model.config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(4))
+    first = filled_cache(model, batch, length, torch.float32)
+    run_steps(model, first, token)
+    del first
+    gc.collect()
+    second = filled_cache(model, batch, length, torch.float32)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fast, _ = run_steps(model, second, token)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < pages // 2, f"{faults} page faults for buffers of {pages} pages each"
+    held = second.layers[0].keys
+    kept = held.clone()
+    del second
+    gc.collect()
+    third = filled_cache(model, batch, length, torch.float32)
+    run_steps(model, third, token)
+    assert all(held.data_ptr() not in (layer.keys.data_ptr(), layer.values.data_ptr()) for layer in third.layers)
+    assert torch.equal(held, kept)
+    modules_only(monkeypatch)
+    expected, _ = run_steps(model, filled_cache(model, batch, length, torch.float32), token)
+    assert torch.equal(fast[0], expected[0])
+
+
 def test_a_decode_step_runs_the_model_body_as_a_method_where_that_changes_nothing(monkeypatch):
     """MemoryFormerForCausalLM runs a stacked decode step's model body as a method (`decode_layer.decode_stack_run`), not through
     the model's module call and decorators; where anything could see the difference (a hook on the model, hidden

@@ -6,9 +6,9 @@
 // The buffers grow_cache makes, kept when their tensors are freed (up to kKeptBytes in all) for the next ones of
 // about their size: a generate call's KV buffers otherwise come from the C library's allocator, which maps anything
 // over 128 KB afresh from the kernel and unmaps it when freed, so every call faulted each page of its buffers in again
-// as it wrote them. MF-base bf16 (batch 1: 48 buffers of 166 KB): 1,918 minor page faults per 33-token `generate`
-// call, 216.3 ms a call, against 46 and 208.8 ms with the C library's thresholds raised so that the freed buffers
-// stayed mapped (the same process, alternating call by call, on the 2-vCPU AMD EPYC Zen 4 of docs/performance.md).
+// as it wrote them. MF-base bf16 (batch 1: 48 buffers of 166 KB), at::empty against this pool in one process,
+// alternating call by call on the 2-vCPU AMD EPYC Zen 4 of docs/performance.md: 1,890 minor page faults per 33-token
+// `generate` call and 240.0 ms a call, against 0 and 229.2 ms (benchmarks/results/2026-11-29b-zen4).
 constexpr size_t kKeptBytes = size_t(64) << 20;
 
 class BufferPool {

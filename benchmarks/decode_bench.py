@@ -39,6 +39,11 @@ Paths (both models take each):
 Storage: bf16 (every parameter bfloat16, both models) and int8 (MemoryFormer: int8 tables and int8 LM head, the rest
 float32; the twin: PyTorch's dynamic int8 Linear for every nn.Linear, the LM head included, the rest float32).
 
+Paired cells (`--paired-paths`, eager by default): after the two cells of a preset, storage and path, a third process
+builds both models and alternates their timed calls (`run_pair`), so each pair's ratio compares calls of the same
+minute; the cells' "vs twin" divides tokens/s measured minutes apart, which on a host whose memory speed moves can
+move the ratio by a third between runs (MF-base int8 3.55x and 5.36x on one Zen 4 guest an hour apart).
+
 Each cell runs in a fresh subprocess, so its peak RSS (VmHWM: build + decode) is its own. MemoryFormer and its twin
 are built on the meta device and materialised in their storage dtype (`build_in_dtype`): MF-base in bf16 never
 exists in float32 (13.5 GB instead of 27).
@@ -349,24 +354,14 @@ def run_cell(job: dict) -> dict:
             steps, cores, calls = [], [], []
             for i in range(job["warmup"] + job["repeats"]):
                 timed = i >= job["warmup"]
-                clock = StepClock()
-                extra, handle = clock.attach(model, path)
                 probe = memory_read_gbps(repeats=2) if timed else None   # the read bound right before the call
-                before = cpu_snapshot()
-                try:
-                    out = model.generate(prompt, **extra, **common, **kwargs)
-                finally:
-                    if handle is not None:
-                        handle.remove()
+                out, call_steps, busy = timed_call(model, prompt, path, {**common, **kwargs})
                 if timed:
-                    cores.append(other_cores_since(before))
+                    cores.append(busy)
                     after = memory_read_gbps(repeats=2)   # ... and right after it
                     reads += [probe, after]
-                    call_steps = clock.step_seconds()
                     steps += call_steps
                     calls.append((statistics.median(call_steps), max(probe, after)))
-                if out.shape[1] != prompt.shape[1] + new:
-                    raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens, expected {new}")
             if path != "eager":
                 cell["same_tokens_as_eager"] = bool(torch.equal(out, eager))
         step = statistics.median(steps)
@@ -393,10 +388,81 @@ def run_cell(job: dict) -> dict:
     return result
 
 
+def timed_call(model, prompt: torch.Tensor, path: str, kwargs: dict) -> tuple[torch.Tensor, list[float], float | None]:
+    """One `generate` call with its steps timed (StepClock): (its output, the intervals between its decode steps, other
+    processes' cores during it). Raises if it returned fewer or more tokens than asked for."""
+    clock = StepClock()
+    extra, handle = clock.attach(model, path)
+    before = cpu_snapshot()
+    try:
+        out = model.generate(prompt, **extra, **kwargs)
+    finally:
+        if handle is not None:
+            handle.remove()
+    busy = other_cores_since(before)
+    new = kwargs["max_new_tokens"]
+    if out.shape[1] != prompt.shape[1] + new:
+        raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens, expected {new}")
+    return out, clock.step_seconds(), busy
+
+
+def run_pair(job: dict) -> dict:
+    """MemoryFormer and its twin built in one process, their timed `generate` calls alternating (MF, twin, twin, MF,
+    MF, twin, ...: each model first in half of the pairs), so that each pair's ratio (the twin's median step time in
+    its call over MemoryFormer's in the call beside it) compares two calls of the same minute. The cells' own ratio
+    divides tokens/s measured minutes apart, in separate processes, on a host whose memory speed may change between
+    them (2-vCPU cloud guests: 21-74 GB/s read by the same probe within an hour, docs/performance.md)."""
+    torch.set_num_threads(job["threads"])
+    preset, storage, path = job["preset"], job["storage"], job["path"]
+    say = functools.partial(print, "   ", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    models = {}
+    for kind in ("mf", "twin"):
+        say(f"building {label({**job, 'kind': kind})} on the meta device, then in {storage} on the CPU")
+        models[kind] = build_in_dtype(kind, preset, storage, seed=job["seed"])
+        models[kind].generation_config.eos_token_id = None   # every call runs all its steps (as run_cell)
+    result = {**job, "build_s": round(time.perf_counter() - started, 1), "batches": {}}
+    gen = torch.Generator().manual_seed(job["seed"])
+    kwargs = generate_kwargs(path)
+    for batch in job["batches"]:
+        prompt = torch.randint(0, models["mf"].config.vocab_size - 1, (batch, job["prompt_tokens"]), generator=gen)
+        common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=job["new_tokens"], do_sample=False,
+                      pad_token_id=0, **kwargs)
+        say(f"batch {batch}: {job['warmup']} untimed call(s) each, then {job['repeats']} pairs of calls, alternating")
+        calls = {"mf": [], "twin": []}
+        cores = []
+        with torch.inference_mode():
+            for kind in ("mf", "twin"):
+                for _ in range(job["warmup"]):
+                    timed_call(models[kind], prompt, path, common)
+            for r in range(job["repeats"]):
+                for kind in pair_order(r):
+                    _, steps, busy = timed_call(models[kind], prompt, path, common)
+                    calls[kind].append(statistics.median(steps))
+                    cores.append(busy)
+        context = job["prompt_tokens"] + job["new_tokens"] / 2
+        ratios = [t / m for m, t in zip(calls["mf"], calls["twin"])]
+        result["batches"][str(batch)] = {
+            "mf_step_ms": [round(s * 1e3, 3) for s in calls["mf"]],
+            "twin_step_ms": [round(s * 1e3, 3) for s in calls["twin"]],
+            "ratios": [round(r, 3) for r in ratios], "ratio": round(statistics.median(ratios), 3),
+            "bound_on_ratio": round(step_bytes(models["twin"], batch, context)["total"]
+                                    / step_bytes(models["mf"], batch, context)["total"], 3),
+            "other_cores": max((c for c in cores if c is not None), default=None)}
+    result["peak_rss_gb"] = round(peak_rss_bytes() / GB, 2)
+    return result
+
+
+def pair_order(r: int) -> tuple[str, str]:
+    """Which model runs first in pair r: MemoryFormer in pairs 0, 2, 4..., the twin in 1, 3, 5... (so a drift of the
+    host's speed within a pair favours neither)."""
+    return ("mf", "twin") if r % 2 == 0 else ("twin", "mf")
+
+
 def _worker_main() -> int:
     job = json.loads(sys.argv[2])
     try:
-        print(json.dumps(run_cell(job)))
+        print(json.dumps(run_pair(job) if job["kind"] == "pair" else run_cell(job)))
     except Exception as exc:  # reported in the results, not hidden
         import traceback
 
@@ -418,6 +484,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compiled-storage", nargs="+", choices=STORAGES, default=["bf16"],
                    help="storages the compiled path runs for (default bf16: the twin's dynamic int8 Linear does not "
                         "compile to anything faster, and compiling is minutes per cell)")
+    p.add_argument("--paired-paths", nargs="*", choices=PATHS, default=["eager"],
+                   help="paths on which a paired cell follows each MemoryFormer / twin pair of cells: both models in "
+                        "one process, their calls alternating, each pair's ratio from calls of the same minute "
+                        "(default eager; none: --paired-paths with no value)")
+    p.add_argument("--pair-repeats", type=int, default=6, help="pairs of timed calls in a paired cell")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -427,8 +498,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results", "decode"))
     args = p.parse_args(argv)
-    if any(b < 1 for b in args.batches) or args.new_tokens < 3 or args.prompt_tokens < 1:
-        p.error("--batches must be >= 1, --new-tokens >= 3 (two timed intervals) and --prompt-tokens >= 1")
+    if any(b < 1 for b in args.batches) or args.new_tokens < 3 or args.prompt_tokens < 1 or args.pair_repeats < 1:
+        p.error("--batches must be >= 1, --new-tokens >= 3 (two timed intervals), --prompt-tokens >= 1 and "
+                "--pair-repeats >= 1")
     return args
 
 
@@ -439,11 +511,12 @@ def jobs(args) -> list[dict]:
             for path in args.paths:
                 if path == "compiled" and storage not in args.compiled_storage:
                     continue
-                for kind in ("mf", "twin"):
-                    out.append(dict(kind=kind, preset=preset, storage=storage, path=path, batches=args.batches,
-                                    prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                                    repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                                    threads=args.threads or torch.get_num_threads()))
+                common = dict(preset=preset, storage=storage, path=path, batches=args.batches,
+                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup=args.warmup,
+                              seed=args.seed, threads=args.threads or torch.get_num_threads())
+                out += [dict(kind=kind, repeats=args.repeats, **common) for kind in ("mf", "twin")]
+                if path in args.paired_paths:
+                    out.append(dict(kind="pair", repeats=args.pair_repeats, **common))
     return out
 
 
@@ -479,6 +552,8 @@ def paired_efficiency(step_bytes_total: float, calls: list[tuple[float, float]])
 
 
 def label(cell: dict) -> str:
+    if cell["kind"] == "pair":
+        return f"{MF_NAMES[cell['preset']]} and its twin, paired, {cell['storage']} [{cell['path']}]"
     name = MF_NAMES[cell["preset"]] if cell["kind"] == "mf" else TWIN_NAMES[cell["preset"]]
     return f"{name} {cell['storage']} [{cell['path']}]"
 
@@ -492,12 +567,12 @@ def main(argv=None) -> int:
     from modeling_memoryformer.cpu_facts import cpu_description
 
     results = {"benchmark": "decode", "environment": {**environment(), "cpu_description": cpu_description()},
-               "args": vars(args), "cells": []}
+               "args": vars(args), "cells": [], "paired": []}
     print(f"decode_bench: {len(todo)} cells (a fresh process each) -> {args.out}", flush=True)
     for i, job in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {label(job)} ...", flush=True)
         cell = run_job(job)
-        results["cells"].append(cell)
+        results["paired" if job["kind"] == "pair" else "cells"].append(cell)
         print("    " + _cell_line(cell), flush=True)
         write(results, args.out)  # after every cell: an interrupted run keeps what it measured
     print(f"wrote {', '.join(write(results, args.out))}")
@@ -507,6 +582,9 @@ def main(argv=None) -> int:
 def _cell_line(cell: dict) -> str:
     if "error" in cell:
         return f"error: {cell['error'][:300]}"
+    if cell["kind"] == "pair":
+        return "; ".join(f"batch {batch}: MemoryFormer {b['ratio']:.2f}x its twin (median of {len(b['ratios'])} "
+                         f"pairs, {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x)" for batch, b in cell["batches"].items())
     parts = [f"built in {cell['build_s']} s, peak RSS {cell['peak_rss_gb']} GB, read bound {_bound(cell)} GB/s "
              f"(sum {cell['stream_gbps']}, dot {cell.get('read_gbps', '-')})"]
     for batch, b in cell["batches"].items():
@@ -587,10 +665,36 @@ def markdown(results: dict) -> str:
         b = cell["batches"]["1"]["bytes"]
         lines.append(f"- {label(cell)}: " + " / ".join(f"{b[k] / MB:.2f}" for k in
                                                        ("rows", "weights", "head", "norms", "embedding", "kv_cache")))
-    lines += ["", "\"vs twin\": MemoryFormer's tokens/s over its twin's on the same path, storage and batch; \"bound on "
-              "ratio\": the twin's bytes per step over MemoryFormer's, what the ratio would be if both ran at the "
-              "same fraction of the read bound."]
+    lines += ["", "\"vs twin\": MemoryFormer's tokens/s over its twin's on the same path, storage and batch (cells "
+              "measured minutes apart); \"bound on ratio\": the twin's bytes per step over MemoryFormer's, what the "
+              "ratio would be if both ran at the same fraction of the read bound."]
+    lines += paired_markdown(results.get("paired", []))
     return "\n".join(lines) + "\n"
+
+
+def paired_markdown(paired: list[dict]) -> list[str]:
+    """The paired cells' table (none: no lines)."""
+    if not paired:
+        return []
+    lines = ["", "## Paired: both models in one process, their calls alternating", "",
+             "Each pair: one timed `generate` call of each model, one right after the other (MemoryFormer first in "
+             "every other pair); its ratio is the twin's median step time in its call over MemoryFormer's. "
+             "Ratio: the median over the pairs.", "",
+             "| model | path | batch | MF ms/step (calls) | twin ms/step (calls) | ratio | pairs' range | bound on ratio "
+             "| other cores |", "|---|---|---|---|---|---|---|---|---|"]
+    for cell in paired:
+        if "error" in cell:
+            lines.append(f"| {label(cell)} | {cell['path']} | | error: {cell['error'][:120]} ||||||")
+            continue
+        for batch, b in cell["batches"].items():
+            busy = b.get("other_cores")
+            busy_s = "" if busy is None else (f"**{busy:.2f} (busy)**" if busy > NOISY_CORES else f"{busy:.2f}")
+            lines.append(
+                f"| {MF_NAMES[cell['preset']]} {cell['storage']} | {cell['path']} | {batch} | "
+                f"{', '.join(f'{x:.2f}' for x in b['mf_step_ms'])} | {', '.join(f'{x:.2f}' for x in b['twin_step_ms'])}"
+                f" | **{b['ratio']:.2f}x** | {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x | "
+                f"{b['bound_on_ratio']:.2f}x | {busy_s} |")
+    return lines
 
 
 def plot(results: dict, path: str) -> bool:

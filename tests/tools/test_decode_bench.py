@@ -171,3 +171,49 @@ def test_the_step_clock_times_every_step_and_leaves_the_loop_as_a_plain_call_run
     assert len(fused_heads) == 2 * 5  # and every decode step's logits and tokens from one head pass, timed or not
     extra, handle = decode_bench.StepClock().attach(model, "compiled")
     assert handle is None and list(extra) == ["logits_processor"]
+
+
+def test_a_paired_cell_alternates_the_models_and_divides_each_pair_of_calls(monkeypatch):
+    """run_pair builds both models in one process and alternates their timed calls (MemoryFormer first in pairs 0, 2,
+    ..., the twin in 1, 3, ...); each pair's ratio is the twin's median step over MemoryFormer's in the call beside it.
+    Oracle: the order the calls ran in and their step times, recorded here."""
+    from conftest import tiny_config
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from modeling_memoryformer import MemoryFormerForCausalLM
+
+    def build(kind, preset, storage, seed=0):
+        torch.manual_seed(seed)
+        if kind == "mf":
+            return MemoryFormerForCausalLM(tiny_config(vocab_size=128)).eval()
+        return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=2, intermediate_size=64)).eval()
+
+    ran, fake = [], iter([0.004, 0.010, 0.012, 0.005, 0.002, 0.009, 0.011, 0.003])
+    real = decode_bench.timed_call
+
+    def recorded(model, prompt, path, kwargs):
+        out, _, busy = real(model, prompt, path, kwargs)
+        ran.append("mf" if isinstance(model, MemoryFormerForCausalLM) else "twin")
+        return out, [next(fake)] if len(ran) > 2 else [1.0], busy   # the two warm-up calls first
+
+    monkeypatch.setattr(decode_bench, "build_in_dtype", build)
+    monkeypatch.setattr(decode_bench, "timed_call", recorded)
+    job = dict(kind="pair", preset="tiny", storage="bf16", path="eager", batches=[1], prompt_tokens=3, new_tokens=4,
+               warmup=1, repeats=3, seed=0, threads=1)
+    cell = decode_bench.run_pair(job)["batches"]["1"]
+    assert ran == ["mf", "twin", "mf", "twin", "twin", "mf", "mf", "twin"]
+    # pair 0: mf 4 ms, twin 10; pair 1: twin 12, mf 5; pair 2: mf 2, twin 9
+    assert cell["mf_step_ms"] == [4.0, 5.0, 2.0] and cell["twin_step_ms"] == [10.0, 12.0, 9.0]
+    assert cell["ratios"] == [2.5, 2.4, 4.5] and cell["ratio"] == 2.5
+    assert "paired" in decode_bench.label(job) and "| **2.50x** | 2.40-4.50x |" in "\n".join(
+        decode_bench.paired_markdown([{**job, "batches": {"1": cell}}]))
+
+
+def test_paired_cells_follow_each_pair_of_cells_on_the_paired_paths():
+    args = decode_bench.parse_args(["--presets", "tiny", "--storage", "bf16", "--paths", "eager", "compiled"])
+    kinds = [(j["path"], j["kind"], j["repeats"]) for j in decode_bench.jobs(args)]
+    assert kinds == [("eager", "mf", 3), ("eager", "twin", 3), ("eager", "pair", 6), ("compiled", "mf", 3),
+                     ("compiled", "twin", 3)]
+    args = decode_bench.parse_args(["--presets", "tiny", "--storage", "bf16", "--paths", "eager", "--paired-paths"])
+    assert [j["kind"] for j in decode_bench.jobs(args)] == ["mf", "twin"]

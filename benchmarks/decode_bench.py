@@ -668,8 +668,31 @@ def markdown(results: dict) -> str:
     lines += ["", "\"vs twin\": MemoryFormer's tokens/s over its twin's on the same path, storage and batch (cells "
               "measured minutes apart); \"bound on ratio\": the twin's bytes per step over MemoryFormer's, what the "
               "ratio would be if both ran at the same fraction of the read bound."]
+    lines += bound_twin_markdown(results)
     lines += paired_markdown(results.get("paired", []))
     return "\n".join(lines) + "\n"
+
+
+def bound_twin_markdown(results: dict) -> list[str]:
+    """MemoryFormer against a twin that would read at the read bound: its share per call x the bound on the ratio (the
+    twins of this benchmark run transformers' module path, well below their bound, which a ratio of tokens/s
+    credits to MemoryFormer)."""
+    lines = []
+    for mf, twin in pairs(results):
+        if twin is None or "error" in mf or "error" in twin:
+            continue
+        for batch, b in mf["batches"].items():
+            o = twin["batches"].get(batch)
+            if o is None or b.get("efficiency_per_call") is None:
+                continue
+            bound = o["bytes"]["total"] / b["bytes"]["total"]
+            lines.append(f"- {label(mf)}, batch {batch}: {100 * b['efficiency_per_call']:.0f}% x {bound:.2f}x = "
+                         f"**{b['efficiency_per_call'] * bound:.2f}x** (the twin here: "
+                         f"{100 * o['efficiency_per_call']:.0f}% per call)")
+    if not lines:
+        return []
+    return ["", "Against a twin that read at the bound (MemoryFormer's share per call x the bound on the ratio; the "
+            "twin's own share beside it):", "", *lines]
 
 
 def paired_markdown(paired: list[dict]) -> list[str]:

@@ -217,3 +217,17 @@ def test_paired_cells_follow_each_pair_of_cells_on_the_paired_paths():
                      ("compiled", "twin", 3)]
     args = decode_bench.parse_args(["--presets", "tiny", "--storage", "bf16", "--paths", "eager", "--paired-paths"])
     assert [j["kind"] for j in decode_bench.jobs(args)] == ["mf", "twin"]
+
+
+def test_the_ratio_against_a_twin_at_the_bound_is_the_share_per_call_times_the_bytes_bound():
+    """A twin that read every byte at the bound takes twin_bytes / bound per step; MemoryFormer at share s of the bound
+    takes mf_bytes / (s x bound): the ratio is s x twin_bytes / mf_bytes (here 0.5 x 500 / 100 = 2.5x)."""
+    def cell(kind, total, share):
+        return dict(kind=kind, preset="base", storage="bf16", path="eager",
+                    batches={"1": {"bytes": {"total": total}, "efficiency_per_call": share}})
+
+    results = {"cells": [cell("mf", 100e6, 0.5), cell("twin", 500e6, 0.3)]}
+    lines = decode_bench.bound_twin_markdown(results)
+    assert lines[-1] == "- MF-base bf16 [eager], batch 1: 50% x 5.00x = **2.50x** (the twin here: 30% per call)"
+    results["cells"][0]["batches"]["1"]["efficiency_per_call"] = None   # a result without probes per call: no line
+    assert decode_bench.bound_twin_markdown(results) == []

@@ -124,6 +124,10 @@ inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const
 // units (7-24 spans: MF-small's first layer and Q/K/V, MF-base's) keep the row-block order, which ran MF-base's Q/K/V
 // in 1.04 and 1.48 ms per step against 1.85 and 2.30 in the span order with L1 prefetches 6 and 12 rows ahead: the
 // rule goes by spans per unit.
+// The span sum (load the sums, add s_k * row_k per row, store) is written out here and in add_rows_blocked: one
+// inline helper taking the prefetches as a lambda, called by both, made MF-base's lookups 1.2-3.3x slower in
+// decode_stack (alternating step by step with these loops in one process, both parities, always_inline or not, on the
+// Zen 4 of benchmarks/results/2026-11-29c-zen4).
 constexpr int64_t kNarrowSpans = 6, kRowsAhead = 4, kRowsFar = 12;
 
 template <typename T>

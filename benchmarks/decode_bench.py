@@ -584,7 +584,8 @@ def _cell_line(cell: dict) -> str:
         return f"error: {cell['error'][:300]}"
     if cell["kind"] == "pair":
         return "; ".join(f"batch {batch}: MemoryFormer {b['ratio']:.2f}x its twin (median of {len(b['ratios'])} "
-                         f"pairs, {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x)" for batch, b in cell["batches"].items())
+                         f"pairs, {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x)"
+                         for batch, b in cell["batches"].items())
     parts = [f"built in {cell['build_s']} s, peak RSS {cell['peak_rss_gb']} GB, read bound {_bound(cell)} GB/s "
              f"(sum {cell['stream_gbps']}, dot {cell.get('read_gbps', '-')})"]
     for batch, b in cell["batches"].items():
@@ -686,9 +687,10 @@ def bound_twin_markdown(results: dict) -> list[str]:
             if o is None or b.get("efficiency_per_call") is None:
                 continue
             bound = o["bytes"]["total"] / b["bytes"]["total"]
+            twin_share = "" if o.get("efficiency_per_call") is None else (
+                f" (the twin here: {100 * o['efficiency_per_call']:.0f}% per call)")
             lines.append(f"- {label(mf)}, batch {batch}: {100 * b['efficiency_per_call']:.0f}% x {bound:.2f}x = "
-                         f"**{b['efficiency_per_call'] * bound:.2f}x** (the twin here: "
-                         f"{100 * o['efficiency_per_call']:.0f}% per call)")
+                         f"**{b['efficiency_per_call'] * bound:.2f}x**{twin_share}")
     if not lines:
         return []
     return ["", "Against a twin that read at the bound (MemoryFormer's share per call x the bound on the ratio; the "
@@ -703,8 +705,8 @@ def paired_markdown(paired: list[dict]) -> list[str]:
              "Each pair: one timed `generate` call of each model, one right after the other (MemoryFormer first in "
              "every other pair); its ratio is the twin's median step time in its call over MemoryFormer's. "
              "Ratio: the median over the pairs.", "",
-             "| model | path | batch | MF ms/step (calls) | twin ms/step (calls) | ratio | pairs' range | bound on ratio "
-             "| other cores |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | path | batch | MF ms/step (calls) | twin ms/step (calls) | ratio | pairs' range | "
+             "bound on ratio | other cores |", "|---|---|---|---|---|---|---|---|---|"]
     for cell in paired:
         if "error" in cell:
             lines.append(f"| {label(cell)} | {cell['path']} | | error: {cell['error'][:120]} ||||||")
@@ -732,7 +734,8 @@ def plot(results: dict, path: str) -> bool:
     cells = [c for c in results["cells"] if "error" not in c]
     if not cells:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    paired = [c for c in results.get("paired", []) if "error" not in c]
+    fig, axes = plt.subplots(1, 3 if paired else 2, figsize=(19 if paired else 13, 4.8))
     names, eff, rates, colors = [], [], [], []
     for c in cells:
         for batch, b in c["batches"].items():
@@ -753,6 +756,8 @@ def plot(results: dict, path: str) -> bool:
     axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decade labels only: no overlapping ticks
     axes[1].set_xlabel("tokens/s (log)")
     axes[1].invert_yaxis()
+    if paired:
+        _plot_paired(axes[2], paired)
     env = results["environment"]
     fig.suptitle(f"Decode: MemoryFormer (blue) vs Pythia-shaped twins (gray) - "
                  f"{env.get('cpu_description', env.get('cpu'))}, "
@@ -761,6 +766,26 @@ def plot(results: dict, path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plot_paired(ax, paired: list[dict]) -> None:
+    """The paired cells' ratios (the median, a line over the pairs' range) beside the bytes bound on the ratio."""
+    names, ratios, low, high, bounds = [], [], [], [], []
+    for c in paired:
+        for batch, b in c["batches"].items():
+            names.append(f"{MF_NAMES[c['preset']]} {c['storage']} b{batch}")
+            ratios.append(b["ratio"])
+            low.append(b["ratio"] - min(b["ratios"]))
+            high.append(max(b["ratios"]) - b["ratio"])
+            bounds.append(b["bound_on_ratio"])
+    y = list(range(len(names)))
+    ax.barh(y, ratios, xerr=[low, high], color="tab:blue", ecolor="k", capsize=2, label="paired ratio (pairs' range)")
+    ax.scatter(bounds, y, color="tab:red", marker="|", s=200, zorder=3, label="bytes bound on the ratio")
+    ax.axvline(1, color="k", lw=0.8)
+    ax.set_yticks(y, names, fontsize=7)
+    ax.set_xlabel("MemoryFormer / twin, calls alternating in one process")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.invert_yaxis()
 
 
 def write(results: dict, out: str) -> list[str]:

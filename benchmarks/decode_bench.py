@@ -413,31 +413,32 @@ def run_pair(job: dict) -> dict:
     divides tokens/s measured minutes apart, in separate processes, on a host whose memory speed may change between
     them (2-vCPU cloud guests: 21-74 GB/s read by the same probe within an hour, docs/performance.md)."""
     torch.set_num_threads(job["threads"])
-    preset, storage, path = job["preset"], job["storage"], job["path"]
+    preset, storage = job["preset"], job["storage"]
+    paths = {"mf": job["path"], "twin": job.get("twin_path", job["path"])}
     say = functools.partial(print, "   ", file=sys.stderr, flush=True)
     started = time.perf_counter()
     models = {}
     for kind in ("mf", "twin"):
-        say(f"building {label({**job, 'kind': kind})} on the meta device, then in {storage} on the CPU")
+        say(f"building {label({**job, 'kind': kind, 'path': paths[kind]})} on the meta device, then in {storage} on "
+            "the CPU")
         models[kind] = build_in_dtype(kind, preset, storage, seed=job["seed"])
         models[kind].generation_config.eos_token_id = None   # every call runs all its steps (as run_cell)
     result = {**job, "build_s": round(time.perf_counter() - started, 1), "batches": {}}
     gen = torch.Generator().manual_seed(job["seed"])
-    kwargs = generate_kwargs(path)
     for batch in job["batches"]:
         prompt = torch.randint(0, models["mf"].config.vocab_size - 1, (batch, job["prompt_tokens"]), generator=gen)
-        common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=job["new_tokens"], do_sample=False,
-                      pad_token_id=0, **kwargs)
+        common = {kind: dict(attention_mask=torch.ones_like(prompt), max_new_tokens=job["new_tokens"], do_sample=False,
+                             pad_token_id=0, **generate_kwargs(paths[kind])) for kind in paths}
         say(f"batch {batch}: {job['warmup']} untimed call(s) each, then {job['repeats']} pairs of calls, alternating")
         calls = {"mf": [], "twin": []}
         cores = []
         with torch.inference_mode():
             for kind in ("mf", "twin"):
                 for _ in range(job["warmup"]):
-                    timed_call(models[kind], prompt, path, common)
+                    timed_call(models[kind], prompt, paths[kind], common[kind])
             for r in range(job["repeats"]):
                 for kind in pair_order(r):
-                    _, steps, busy = timed_call(models[kind], prompt, path, common)
+                    _, steps, busy = timed_call(models[kind], prompt, paths[kind], common[kind])
                     calls[kind].append(statistics.median(steps))
                     cores.append(busy)
         context = job["prompt_tokens"] + job["new_tokens"] / 2
@@ -451,6 +452,12 @@ def run_pair(job: dict) -> dict:
             "other_cores": max((c for c in cores if c is not None), default=None)}
     result["peak_rss_gb"] = round(peak_rss_bytes() / GB, 2)
     return result
+
+
+def pair_paths(cell: dict) -> str:
+    """A paired cell's path, or both where the twin took another ("MF eager, twin compiled": --pair-mixed)."""
+    twin_path = cell.get("twin_path", cell["path"])
+    return cell["path"] if twin_path == cell["path"] else f"MF {cell['path']}, twin {twin_path}"
 
 
 def pair_order(r: int) -> tuple[str, str]:
@@ -480,7 +487,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
     p.add_argument("--storage", nargs="+", choices=STORAGES, default=list(STORAGES))
-    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--paths", nargs="*", choices=PATHS, default=list(PATHS),
+                   help="paths of the cells (none: only the --pair-mixed cells)")
     p.add_argument("--compiled-storage", nargs="+", choices=STORAGES, default=["bf16"],
                    help="storages the compiled path runs for (default bf16: the twin's dynamic int8 Linear does not "
                         "compile to anything faster, and compiling is minutes per cell)")
@@ -489,6 +497,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one process, their calls alternating, each pair's ratio from calls of the same minute "
                         "(default eager; none: --paired-paths with no value)")
     p.add_argument("--pair-repeats", type=int, default=6, help="pairs of timed calls in a paired cell")
+    p.add_argument("--pair-mixed", action="store_true",
+                   help="one more paired cell per preset and storage: MemoryFormer on the eager path (its fused "
+                        "decode stack), the twin compiled (its faster path), each model on its own best path")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -498,6 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results", "decode"))
     args = p.parse_args(argv)
+    if not args.paths and not args.pair_mixed:
+        p.error("--paths with no value runs only the --pair-mixed cells: give a path or --pair-mixed")
     if any(b < 1 for b in args.batches) or args.new_tokens < 3 or args.prompt_tokens < 1 or args.pair_repeats < 1:
         p.error("--batches must be >= 1, --new-tokens >= 3 (two timed intervals), --prompt-tokens >= 1 and "
                 "--pair-repeats >= 1")
@@ -517,6 +530,11 @@ def jobs(args) -> list[dict]:
                 out += [dict(kind=kind, repeats=args.repeats, **common) for kind in ("mf", "twin")]
                 if path in args.paired_paths:
                     out.append(dict(kind="pair", repeats=args.pair_repeats, **common))
+            if args.pair_mixed:
+                out.append(dict(kind="pair", preset=preset, storage=storage, path="eager", twin_path="compiled",
+                                batches=args.batches, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                                warmup=args.warmup, seed=args.seed, threads=args.threads or torch.get_num_threads(),
+                                repeats=args.pair_repeats))
     return out
 
 
@@ -553,7 +571,7 @@ def paired_efficiency(step_bytes_total: float, calls: list[tuple[float, float]])
 
 def label(cell: dict) -> str:
     if cell["kind"] == "pair":
-        return f"{MF_NAMES[cell['preset']]} and its twin, paired, {cell['storage']} [{cell['path']}]"
+        return f"{MF_NAMES[cell['preset']]} and its twin, paired, {cell['storage']} [{pair_paths(cell)}]"
     name = MF_NAMES[cell["preset"]] if cell["kind"] == "mf" else TWIN_NAMES[cell["preset"]]
     return f"{name} {cell['storage']} [{cell['path']}]"
 
@@ -709,13 +727,13 @@ def paired_markdown(paired: list[dict]) -> list[str]:
              "bound on ratio | other cores |", "|---|---|---|---|---|---|---|---|---|"]
     for cell in paired:
         if "error" in cell:
-            lines.append(f"| {label(cell)} | {cell['path']} | | error: {cell['error'][:120]} ||||||")
+            lines.append(f"| {label(cell)} | {pair_paths(cell)} | | error: {cell['error'][:120]} ||||||")
             continue
         for batch, b in cell["batches"].items():
             busy = b.get("other_cores")
             busy_s = "" if busy is None else (f"**{busy:.2f} (busy)**" if busy > NOISY_CORES else f"{busy:.2f}")
             lines.append(
-                f"| {MF_NAMES[cell['preset']]} {cell['storage']} | {cell['path']} | {batch} | "
+                f"| {MF_NAMES[cell['preset']]} {cell['storage']} | {pair_paths(cell)} | {batch} | "
                 f"{', '.join(f'{x:.2f}' for x in b['mf_step_ms'])} | {', '.join(f'{x:.2f}' for x in b['twin_step_ms'])}"
                 f" | **{b['ratio']:.2f}x** | {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x | "
                 f"{b['bound_on_ratio']:.2f}x | {busy_s} |")
@@ -773,7 +791,8 @@ def _plot_paired(ax, paired: list[dict]) -> None:
     names, ratios, low, high, bounds = [], [], [], [], []
     for c in paired:
         for batch, b in c["batches"].items():
-            names.append(f"{MF_NAMES[c['preset']]} {c['storage']} b{batch}")
+            names.append(f"{MF_NAMES[c['preset']]} {c['storage']} b{batch}"
+                         + ("" if c.get("twin_path", c["path"]) == c["path"] else " (twin compiled)"))
             ratios.append(b["ratio"])
             low.append(b["ratio"] - min(b["ratios"]))
             high.append(max(b["ratios"]) - b["ratio"])

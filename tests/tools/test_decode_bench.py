@@ -231,3 +231,38 @@ def test_the_ratio_against_a_twin_at_the_bound_is_the_share_per_call_times_the_b
     assert lines[-1] == "- MF-base bf16 [eager], batch 1: 50% x 5.00x = **2.50x** (the twin here: 30% per call)"
     results["cells"][0]["batches"]["1"]["efficiency_per_call"] = None   # a result without probes per call: no line
     assert decode_bench.bound_twin_markdown(results) == []
+    args = decode_bench.parse_args(["--presets", "tiny", "--storage", "int8", "--paths", "eager", "--paired-paths",
+                                    "--pair-mixed"])
+    mixed = decode_bench.jobs(args)[-1]
+    assert (mixed["kind"], mixed["path"], mixed["twin_path"], mixed["storage"]) == ("pair", "eager", "compiled", "int8")
+    assert decode_bench.label(mixed) == "MF-tiny and its twin, paired, int8 [MF eager, twin compiled]"
+
+
+def test_a_mixed_paired_cell_runs_memoryformer_eager_and_the_twin_compiled(monkeypatch):
+    """--pair-mixed: the twin's calls get the compiled path's generate keywords (a static cache, a compile config),
+    MemoryFormer's none; the pairs alternate as in any paired cell."""
+    from modeling_memoryformer import compiled_decode_kwargs
+
+    built, seen = {}, []
+
+    def build(kind, preset, storage, seed=0):
+        built[kind] = type("Model", (), {"config": type("C", (), {"vocab_size": 64})(),
+                                          "generation_config": type("G", (), {})()})()
+        return built[kind]
+
+    def fake_call(model, prompt, path, kwargs):
+        kind = "mf" if model is built["mf"] else "twin"
+        seen.append((kind, path, sorted(set(kwargs) - {"attention_mask", "max_new_tokens", "do_sample",
+                                                       "pad_token_id"})))
+        return None, [0.002 if kind == "mf" else 0.008], 0.0
+
+    monkeypatch.setattr(decode_bench, "build_in_dtype", build)
+    monkeypatch.setattr(decode_bench, "timed_call", fake_call)
+    monkeypatch.setattr(decode_bench, "step_bytes", lambda model, batch, context: {"total": 1.0})
+    job = dict(kind="pair", preset="tiny", storage="bf16", path="eager", twin_path="compiled", batches=[1],
+               prompt_tokens=3, new_tokens=4, warmup=1, repeats=2, seed=0, threads=1)
+    cell = decode_bench.run_pair(job)["batches"]["1"]
+    compiled = sorted(compiled_decode_kwargs())
+    assert seen == [("mf", "eager", []), ("twin", "compiled", compiled), ("mf", "eager", []),
+                    ("twin", "compiled", compiled), ("twin", "compiled", compiled), ("mf", "eager", [])]
+    assert cell["ratio"] == 4.0

@@ -750,10 +750,16 @@ def plot(results: dict, path: str) -> bool:
     except ImportError:
         return False
     cells = [c for c in results["cells"] if "error" not in c]
-    if not cells:
-        return False
     paired = [c for c in results.get("paired", []) if "error" not in c]
-    fig, axes = plt.subplots(1, 3 if paired else 2, figsize=(19 if paired else 13, 4.8))
+    if not cells and not paired:
+        return False
+    panels = (2 if cells else 0) + (1 if paired else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(max(11.0, 6.5 * panels - 1), 4.8), squeeze=False)
+    axes = axes[0]
+    if paired:
+        _plot_paired(axes[-1], paired)
+    if not cells:
+        return _save(fig, plt, results, path)
     names, eff, rates, colors = [], [], [], []
     for c in cells:
         for batch, b in c["batches"].items():
@@ -774,10 +780,12 @@ def plot(results: dict, path: str) -> bool:
     axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decade labels only: no overlapping ticks
     axes[1].set_xlabel("tokens/s (log)")
     axes[1].invert_yaxis()
-    if paired:
-        _plot_paired(axes[2], paired)
+    return _save(fig, plt, results, path)
+
+
+def _save(fig, plt, results: dict, path: str) -> bool:
     env = results["environment"]
-    fig.suptitle(f"Decode: MemoryFormer (blue) vs Pythia-shaped twins (gray) - "
+    fig.suptitle(f"Decode: MemoryFormer (blue) vs Pythia-shaped twins (gray)\n"
                  f"{env.get('cpu_description', env.get('cpu'))}, "
                  f"{env.get('threads')} threads", fontsize=9)
     fig.tight_layout()

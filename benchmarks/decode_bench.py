@@ -43,6 +43,8 @@ Paired cells (`--paired-paths`, eager by default): after the two cells of a pres
 builds both models and alternates their timed calls (`run_pair`), so each pair's ratio compares calls of the same
 minute; the cells' "vs twin" divides tokens/s measured minutes apart, which on a host whose memory speed moves can
 move the ratio by a third between runs (MF-base int8 3.55x and 5.36x on one Zen 4 guest an hour apart).
+`--pair-mixed` adds a paired cell with each model on its faster path: MemoryFormer eager (its fused decode stack; its
+compiled step runs the module graph), the twin compiled (transformers' modules, 18-38% of their bound when eager).
 
 Each cell runs in a fresh subprocess, so its peak RSS (VmHWM: build + decode) is its own. MemoryFormer and its twin
 are built on the meta device and materialised in their storage dtype (`build_in_dtype`): MF-base in bf16 never
@@ -498,8 +500,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default eager; none: --paired-paths with no value)")
     p.add_argument("--pair-repeats", type=int, default=6, help="pairs of timed calls in a paired cell")
     p.add_argument("--pair-mixed", action="store_true",
-                   help="one more paired cell per preset and storage: MemoryFormer on the eager path (its fused "
-                        "decode stack), the twin compiled (its faster path), each model on its own best path")
+                   help="one more paired cell per preset and storage of --compiled-storage: MemoryFormer on the "
+                        "eager path (its fused decode stack), the twin compiled (its faster path)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -530,7 +532,7 @@ def jobs(args) -> list[dict]:
                 out += [dict(kind=kind, repeats=args.repeats, **common) for kind in ("mf", "twin")]
                 if path in args.paired_paths:
                     out.append(dict(kind="pair", repeats=args.pair_repeats, **common))
-            if args.pair_mixed:
+            if args.pair_mixed and storage in args.compiled_storage:
                 out.append(dict(kind="pair", preset=preset, storage=storage, path="eager", twin_path="compiled",
                                 batches=args.batches, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                 warmup=args.warmup, seed=args.seed, threads=args.threads or torch.get_num_threads(),

@@ -231,11 +231,13 @@ def test_the_ratio_against_a_twin_at_the_bound_is_the_share_per_call_times_the_b
     assert lines[-1] == "- MF-base bf16 [eager], batch 1: 50% x 5.00x = **2.50x** (the twin here: 30% per call)"
     results["cells"][0]["batches"]["1"]["efficiency_per_call"] = None   # a result without probes per call: no line
     assert decode_bench.bound_twin_markdown(results) == []
-    args = decode_bench.parse_args(["--presets", "tiny", "--storage", "int8", "--paths", "eager", "--paired-paths",
-                                    "--pair-mixed"])
-    mixed = decode_bench.jobs(args)[-1]
-    assert (mixed["kind"], mixed["path"], mixed["twin_path"], mixed["storage"]) == ("pair", "eager", "compiled", "int8")
-    assert decode_bench.label(mixed) == "MF-tiny and its twin, paired, int8 [MF eager, twin compiled]"
+    args = decode_bench.parse_args(["--presets", "tiny", "--storage", "bf16", "int8", "--paths", "--pair-mixed"])
+    mixed = decode_bench.jobs(args)   # only for the storages the compiled path runs (bf16 by default)
+    assert [(j["kind"], j["path"], j["twin_path"], j["storage"]) for j in mixed] == [("pair", "eager", "compiled",
+                                                                                     "bf16")]
+    assert decode_bench.label(mixed[0]) == "MF-tiny and its twin, paired, bf16 [MF eager, twin compiled]"
+    with pytest.raises(SystemExit):
+        decode_bench.parse_args(["--paths"])   # no cell to run
 
 
 def test_a_mixed_paired_cell_runs_memoryformer_eager_and_the_twin_compiled(monkeypatch):

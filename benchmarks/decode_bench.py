@@ -523,20 +523,17 @@ def jobs(args) -> list[dict]:
     out = []
     for preset in args.presets:
         for storage in args.storage:
+            common = dict(preset=preset, storage=storage, batches=args.batches, prompt_tokens=args.prompt_tokens,
+                          new_tokens=args.new_tokens, warmup=args.warmup, seed=args.seed,
+                          threads=args.threads or torch.get_num_threads())
             for path in args.paths:
                 if path == "compiled" and storage not in args.compiled_storage:
                     continue
-                common = dict(preset=preset, storage=storage, path=path, batches=args.batches,
-                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup=args.warmup,
-                              seed=args.seed, threads=args.threads or torch.get_num_threads())
-                out += [dict(kind=kind, repeats=args.repeats, **common) for kind in ("mf", "twin")]
+                out += [dict(kind=kind, path=path, repeats=args.repeats, **common) for kind in ("mf", "twin")]
                 if path in args.paired_paths:
-                    out.append(dict(kind="pair", repeats=args.pair_repeats, **common))
+                    out.append(dict(kind="pair", path=path, repeats=args.pair_repeats, **common))
             if args.pair_mixed and storage in args.compiled_storage:
-                out.append(dict(kind="pair", preset=preset, storage=storage, path="eager", twin_path="compiled",
-                                batches=args.batches, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                                warmup=args.warmup, seed=args.seed, threads=args.threads or torch.get_num_threads(),
-                                repeats=args.pair_repeats))
+                out.append(dict(kind="pair", path="eager", twin_path="compiled", repeats=args.pair_repeats, **common))
     return out
 
 
@@ -671,14 +668,12 @@ def markdown(results: dict) -> str:
                     ratio = f"{b['tokens_per_s'] / o['tokens_per_s']:.2f}x"
                     bound = f"{o['bytes']['total'] / b['bytes']['total']:.2f}x"
                 per_call = "" if b.get("efficiency_per_call") is None else f"{100 * b['efficiency_per_call']:.0f}%"
-                busy = b.get("other_cores")
-                busy_s = "" if busy is None else (f"**{busy:.2f} (busy)**" if busy > NOISY_CORES else f"{busy:.2f}")
                 lines.append(
                     f"| {label(cell)} | {cell['path']} | {batch} | {b['tokens_per_s']:.1f} | {b['step_ms']:.2f} | "
                     f"{b['bytes']['total'] / MB:.1f} | {b['gbps']:.1f} | {cell['stream_gbps']:.1f} / "
                     f"{format(cell['read_gbps'], '.1f') if 'read_gbps' in cell else '-'} | "
                     f"{100 * b['efficiency']:.0f}% | {per_call} | {ratio} | {bound} | {cell['peak_rss_gb']:.1f} | "
-                    f"{cell['build_s']:.0f} | {busy_s} |")
+                    f"{cell['build_s']:.0f} | {_busy(b.get('other_cores'))} |")
     lines += ["", "Bytes per step by part (batch 1): rows / weights / head / norms / embedding / KV cache, MB", ""]
     for cell in results["cells"]:
         if "error" in cell or "1" not in cell["batches"]:
@@ -692,6 +687,13 @@ def markdown(results: dict) -> str:
     lines += bound_twin_markdown(results)
     lines += paired_markdown(results.get("paired", []))
     return "\n".join(lines) + "\n"
+
+
+def _busy(cores: float | None) -> str:
+    """A table's "other cores" cell: marked busy above NOISY_CORES, empty where not measured."""
+    if cores is None:
+        return ""
+    return f"**{cores:.2f} (busy)**" if cores > NOISY_CORES else f"{cores:.2f}"
 
 
 def bound_twin_markdown(results: dict) -> list[str]:
@@ -732,13 +734,11 @@ def paired_markdown(paired: list[dict]) -> list[str]:
             lines.append(f"| {label(cell)} | {pair_paths(cell)} | | error: {cell['error'][:120]} ||||||")
             continue
         for batch, b in cell["batches"].items():
-            busy = b.get("other_cores")
-            busy_s = "" if busy is None else (f"**{busy:.2f} (busy)**" if busy > NOISY_CORES else f"{busy:.2f}")
             lines.append(
                 f"| {MF_NAMES[cell['preset']]} {cell['storage']} | {pair_paths(cell)} | {batch} | "
                 f"{', '.join(f'{x:.2f}' for x in b['mf_step_ms'])} | {', '.join(f'{x:.2f}' for x in b['twin_step_ms'])}"
                 f" | **{b['ratio']:.2f}x** | {min(b['ratios']):.2f}-{max(b['ratios']):.2f}x | "
-                f"{b['bound_on_ratio']:.2f}x | {busy_s} |")
+                f"{b['bound_on_ratio']:.2f}x | {_busy(b.get('other_cores'))} |")
     return lines
 
 

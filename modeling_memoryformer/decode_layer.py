@@ -20,12 +20,12 @@ done in C++ too).
 Each op inside the calls is the one the modules run, in their order and dtype, so the output is bit-identical to the
 modules' (tests/model/test_decode_layer.py, test_decode_stack.py). Where anything could make the two differ, the
 step declines (returns None) and the caller runs the modules: gradients, training, more than one position (but a
-continuous-batching step, whose tokens are rows of one sequence dimension), torch.compile, profiling or a dispatch
-mode, another attention implementation outside continuous batching, hooks on a submodule (other than transformers'
-output capture on the attention, whose attention weights this path never has: the modules' "sdpa" path returns none
-either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT, quantisation
-wrappers), tables, norms or rotary tables of another dtype than the hidden states, or a kernel choice other than the
-fused one.
+continuous-batching step, whose tokens are rows of one sequence dimension), torch.compile (`decode_layer_traced` then
+puts the same two ops into the traced graph), profiling or a dispatch mode, another attention implementation outside
+continuous batching, hooks on a submodule (other than transformers' output capture on the attention, whose attention
+weights this path never has: the modules' "sdpa" path returns none either) or a forward replaced on one (accelerate's
+offloading hooks), a replaced submodule (PEFT, quantisation wrappers), tables, norms or rotary tables of another dtype
+than the hidden states, or a kernel choice other than the fused one.
 """
 
 from __future__ import annotations
@@ -267,6 +267,58 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
         attn = attention.dense(attn)
     out = ops.decode_block.default.redispatch(_CPU_KEYS, x, attn.view(tokens, hidden), *plan.block)
     return out.view(*shape, hidden)
+
+
+def decode_layer_traced(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
+                        kwargs: dict) -> torch.Tensor | None:
+    """`decode_layer_step` while torch.compile traces a decode step (transformers' compiled step over a static cache):
+    the same two fused ops, called through the dispatcher so that they become nodes of the graph (their fake kernels
+    give the shapes; Inductor calls the CPU kernels), around the cache update and the attention as the modules trace
+    them. Without it the graph holds each Memory Layer's hash and lookup and the norms, rotation and residuals between
+    them: more calls per layer, the lookups on the general kernel (MF-small's compiled step 1.7x its eager one, 1.2x
+    with it). The operands are read as `_derive` reads them for the eager step; Dynamo guards what the reads touched
+    (submodules, parameters, their dtypes), so a replaced submodule or a cast compiles the step again. Hooks are read
+    when the step is compiled: a layer with one runs its modules; one added later is not seen, here as on the modules'
+    path (torch's `skip_nnmodule_hook_guards`). None where the modules run: outside tracing, where the conditions of
+    `decode_layer_step` fail (bar the ones about tracing), int8 tables (whose prefill does not compile either)."""
+    if (not torch.compiler.is_compiling() or hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or cache is None
+            or is_paged_cache(cache) or layer.training or torch.is_grad_enabled() or hidden_states.device.type != "cpu"
+            or not uses_fused(hidden_states)):
+        return None
+    module = nn.modules.module
+    attention, block = layer._modules.get("attention"), layer._modules.get("memory_block")
+    if (type(attention).__name__ != "MemoryFormerAttention" or type(block).__name__ != "MemoryBlock"
+            or attention.training or module._global_forward_hooks or module._global_forward_pre_hooks
+            or _attention_hooked(attention)):
+        return None
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, None)
+    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if interface is not sdpa or any(getattr(block._modules.get(name), "table_dtype", "int8") == "int8"
+                                    for name in ("layer1", "layer2")) or getattr(
+            attention._modules.get("query_key_value"), "table_dtype", "int8") == "int8":
+        return None
+    dtype = hidden_states.dtype
+    plan = _Plan(dtype)
+    operands = _derive(plan, layer)
+    if (operands is None or not unhooked(*plan.watched) or any(t.dtype != dtype for t in plan.tensors)
+            or not all(t.is_contiguous() for t in plan.tables)):
+        return None
+    rotary = _rotary_rows(position_embeddings, dtype, hidden_states.shape[0], paged=False)
+    if rotary is None:
+        return None
+    qkv_operands, block_operands = operands
+    tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    ops = fused_ops()
+    x = hidden_states.reshape(tokens, hidden)
+    qkv = ops.decode_qkv(x, *qkv_operands, *rotary, attention.num_heads)
+    query, key, value = qkv.view(tokens, 1, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4).unbind()
+    key, value = update_kv_cache(cache, key, value, attention.layer_idx, interface, kwargs)
+    attn, _ = decode_attention_forward(attention, query, key, value, attention_mask, dropout=0.0,
+                                       scaling=attention.scaling, **kwargs)
+    attn = attn.reshape(tokens, 1, hidden).contiguous()
+    if attention.dense is not None:
+        attn = attention.dense(attn)
+    return ops.decode_block(x, attn.view(tokens, hidden), *block_operands).view(tokens, 1, hidden)
 
 
 _NORM_CODES, _SCORE_CODES = {"layernorm": 0, "rmsnorm": 1}, {"paper": 0, "l1": 1}  # decode_stack's codes

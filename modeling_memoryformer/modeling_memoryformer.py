@@ -26,22 +26,15 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memoryformer import MemoryFormerConfig
 from .decode_loop import sample as lean_sample
-from .decode_layer import decode_layer_step, decode_stack_run, decode_stack_step, decode_step_mask, rotary_table_rows
+from .decode_layer import (decode_layer_step, decode_layer_traced, decode_stack_run, decode_stack_step,
+                           decode_step_mask, rotary_table_rows)
 from .huge_pages import place_on_huge_pages
 from .memory_loss import uses_chunked_loss
 from .memory_ops import decode_attention_forward, few_rows_linear, few_rows_linear_argmax, linear_cross_entropy
 from .memory_layer import MemoryLayer
 from .quantization import TableStorageMixin, Int8LMHead, bf16_linear
-from .transformers_compat import (
-    CACHE_FIELD,
-    CACHE_NAMES,
-    cache_argument,
-    check_keywords,
-    deprecated_cache_name,
-    slice_logits_to_keep,
-    update_kv_cache,
-    with_cache,
-)
+from .transformers_compat import (CACHE_FIELD, CACHE_NAMES, cache_argument, check_keywords, deprecated_cache_name,
+                                  slice_logits_to_keep, update_kv_cache, with_cache)
 
 
 class MemoryFormerRMSNorm(nn.Module):
@@ -302,7 +295,8 @@ class MemoryFormerDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        out = decode_layer_step(self, hidden_states, attention_mask, position_embeddings, past_key_values, kwargs)
+        out = (decode_layer_traced if torch.compiler.is_compiling() else decode_layer_step)(
+            self, hidden_states, attention_mask, position_embeddings, past_key_values, kwargs)
         if out is not None:  # a decode step on the fused kernel (decode_layer.py): the same values
             return out
         attn_output, _ = self.attention(

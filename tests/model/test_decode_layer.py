@@ -329,3 +329,78 @@ def test_continuous_batching_steps_give_the_modules_bits(monkeypatch, table_dtyp
         assert max(steps) > requests
     modules_only(monkeypatch)
     assert generate_batch(model) == fast
+
+
+def compiled_generate(model, graphs: list, hook=None, **kwargs):
+    """`generate` over a static cache with `model.forward` compiled fullgraph by Dynamo; each graph it captures runs
+    as traced (no Inductor: the same ops as the eager step) and is recorded in `graphs` as its calls' targets. With
+    `hook`, it is called after a first `generate` and the result is a second one's."""
+    def recording(gm, inputs):
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    forward = model.forward
+    model.forward = torch.compile(forward, fullgraph=True, backend=recording)
+    try:
+        out = generate(model, cache_implementation="static", disable_compile=True, **kwargs)
+        if hook is not None:  # a change between two calls of the same compiled forward
+            hook()
+            out = generate(model, cache_implementation="static", disable_compile=True, **kwargs)
+        return out
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+
+
+def fused_calls(graph: list) -> dict:
+    """How often a graph calls each of the ops (as an overload packet or its default overload)."""
+    names = list(map(str, graph))
+    return {name: names.count(f"memoryformer.{name}") + names.count(f"memoryformer.{name}.default")
+            for name in ("decode_qkv", "decode_block", "hash", "lookup")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_compiled_decode_step_runs_the_fused_ops_as_graph_nodes(monkeypatch, dtype):
+    """Under torch.compile (transformers' compiled step over a static cache) the decode step's graph holds each
+    layer's decode_qkv and decode_block (decode_layer_traced) instead of its Memory Layers' hashes and lookups, and
+    gives the tokens and scores of the modules over the same cache, bit for bit; the prefill's graph runs the
+    modules."""
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    layers, graphs = model.config.num_hidden_layers, []
+    fast = compiled_generate(model, graphs)
+    prefill, decode = map(fused_calls, graphs)  # one graph per sequence length (7, then 1)
+    assert prefill == dict(decode_qkv=0, decode_block=0, hash=3 * layers, lookup=3 * layers)
+    assert decode == dict(decode_qkv=layers, decode_block=layers, hash=0, lookup=0)
+    modules_only(monkeypatch)
+    monkeypatch.setattr(modeling, "decode_layer_traced", lambda *args, **kwargs: None)
+    graphs.clear()
+    modules = compiled_generate(model, graphs)
+    assert fused_calls(graphs[1]) == dict(decode_qkv=0, decode_block=0, hash=3 * layers, lookup=3 * layers)
+    assert all(torch.equal(a, b) for a, b in zip(fast, modules))
+    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model, cache_implementation="static")))
+
+
+def test_a_compiled_decode_step_leaves_a_hooked_layer_to_the_modules(monkeypatch):
+    """A hook on a submodule (which the fused ops would skip) keeps that layer's modules in the graph, and the hook
+    sees every step; the tokens are still the modules'. (A hook added after compiling is not seen, by this path or by
+    the modules: torch's `skip_nnmodule_hook_guards`, on by default, leaves hooks unguarded.)"""
+    model = tiny_model(attn_implementation="sdpa")
+    layers, graphs, seen = model.config.num_hidden_layers, [], []
+    model.model.layers[1].memory_block.layer1.register_forward_hook(lambda *args: seen.append(1))
+    fast = compiled_generate(model, graphs)
+    assert fused_calls(graphs[1]) == dict(decode_qkv=layers - 1, decode_block=layers - 1, hash=3, lookup=3)
+    assert len(seen) == NEW  # the prefill and every decode step
+    modules_only(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model, cache_implementation="static")))
+
+
+def test_a_compiled_decode_step_follows_a_cast_model():
+    """Dynamo's guards on the operands decode_layer_traced read (the tensors' dtypes) compile the step again after a
+    cast, so the fused ops never read the old tensors: the tokens after `.to(bfloat16)` are the bfloat16 eager ones."""
+    model = tiny_model(attn_implementation="sdpa")
+    graphs = []
+    cast = compiled_generate(model, graphs, hook=lambda: model.to(torch.bfloat16))
+    assert len(graphs) == 4  # prefill and decode step, before and after the cast
+    assert fused_calls(graphs[3])["decode_qkv"] == model.config.num_hidden_layers
+    assert all(torch.equal(a, b) for a, b in zip(cast, generate(model, cache_implementation="static")))

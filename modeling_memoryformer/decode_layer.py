@@ -36,15 +36,15 @@ from operator import attrgetter, contains, is_, itemgetter
 import torch
 from torch import nn
 
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .memory_kernels import _CPU_KEYS, dispatcher_watched, fused_ops, uses_fused
 from .memory_layer import MemoryLayer
 from .memory_ops import _DECODE_ATTENTION_DTYPES, _NOT_FOR_DECODE_ATTENTION, decode_attention_forward, decode_mask_fits
 from .quantization import int8_cpu_path
-from .transformers_compat import (DynamicLayer, cache_grows_by_cat, causal_mask, is_paged_cache, outputs_captured,
-                                  update_kv_cache)
+from .transformers_compat import (DynamicLayer, StaticLayer, cache_grows_by_cat, causal_mask, is_paged_cache,
+                                  outputs_captured, static_cache_writes_at_length, update_kv_cache)
 
 _CAPTURE_HOOK = "output_capturing_hook"  # transformers' output capture (utils/output_capturing.py)
 _DTYPE, _FORWARD_HOOKS, _PRE_HOOKS = attrgetter("dtype"), itemgetter("_forward_hooks"), itemgetter("_forward_pre_hooks")
@@ -75,11 +75,12 @@ class _Plan:
     derived again. A few us against 100 us to derive it, per layer and step."""
 
     __slots__ = ("dtype", "links", "tensors", "tables", "int8", "watched", "captured", "qkv", "block", "stack",
-                 "snapshot", "ok")
+                 "snapshot", "ok", "traced")
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, traced: bool = False):
         self.dtype, self.links, self.tensors, self.tables, self.int8, self.watched = dtype, [], [], [], [], []
         self.captured = []  # modules the step skips whose only hooks may be transformers' output capture
+        self.traced = traced  # read while torch.compile traces: int8 tables are left to the modules
 
     def child(self, parent: nn.Module, name: str) -> nn.Module | None:
         module = parent._modules.get(name)
@@ -114,6 +115,8 @@ class _Plan:
         self.watched.append(layer)
         bias = self.parameter(layer, "bias")
         if layer.table_dtype == "int8":
+            if self.traced:
+                return None
             block = layer._int8_tables()[3]
             if block is None or self.dtype == torch.float64:
                 return None
@@ -269,6 +272,16 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     return out.view(*shape, hidden)
 
 
+def _traced_plan_holds(plan: _Plan) -> bool:
+    """For a plan read while tracing (Dynamo guards what it read): what `_Plan.state_ok` asks of an eager plan, bar
+    what the reads themselves settled (the submodules and parameters read, the int8 path)."""
+    return (unhooked(*plan.watched) and all(t.dtype == plan.dtype for t in plan.tensors)
+            and all(t.is_contiguous() for t in plan.tables) and not any(m.training for m in plan.watched)
+            and not any(m._forward_pre_hooks or "forward" in m.__dict__ for m in plan.captured)
+            and all(getattr(hook, "__name__", None) == _CAPTURE_HOOK
+                    for m in plan.captured for hook in m._forward_hooks.values()))
+
+
 def decode_layer_traced(layer: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
                         kwargs: dict) -> torch.Tensor | None:
     """`decode_layer_step` while torch.compile traces a decode step (transformers' compiled step over a static cache):
@@ -298,10 +311,9 @@ def decode_layer_traced(layer: nn.Module, hidden_states: torch.Tensor, attention
             attention._modules.get("query_key_value"), "table_dtype", "int8") == "int8":
         return None
     dtype = hidden_states.dtype
-    plan = _Plan(dtype)
+    plan = _Plan(dtype, traced=True)
     operands = _derive(plan, layer)
-    if (operands is None or not unhooked(*plan.watched) or any(t.dtype != dtype for t in plan.tensors)
-            or not all(t.is_contiguous() for t in plan.tables)):
+    if operands is None or not _traced_plan_holds(plan):
         return None
     rotary = _rotary_rows(position_embeddings, dtype, hidden_states.shape[0], paged=False)
     if rotary is None:
@@ -324,24 +336,23 @@ def decode_layer_traced(layer: nn.Module, hidden_states: torch.Tensor, attention
 _NORM_CODES, _SCORE_CODES = {"layernorm": 0, "rmsnorm": 1}, {"paper": 0, "l1": 1}  # decode_stack's codes
 
 
-def _stack_plan(model: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
-    """The plan of `decode_stack` for a `MemoryFormerModel`: every decoder layer's operands (as `_derive` reads them),
-    flat, in `plan.stack`; `plan.ok` False where one layer cannot run on the ops, has an attention-output Memory Layer
-    (a module call between the ops) or attention of another shape than the first layer's."""
-    plan = _Plan(dtype)
+def _stack_operands(plan: _Plan, model: nn.Module) -> tuple | None:
+    """`decode_stack`'s operands for a `MemoryFormerModel`: every decoder layer's (as `_derive` reads them), flat, with
+    the attention's shape, read into `plan`; None where one layer cannot run on the ops, has an attention-output
+    Memory Layer (a module call between the ops) or attention of another shape than the first layer's."""
     layers = plan.child(model, "layers")
     if type(layers) is not nn.ModuleList:
-        return plan.freeze(False, tokens)
+        return None
     modules = [plan.child(layers, name) for name in tuple(layers._modules)]
     plan.links.append((layers._modules, str(len(modules)), None))  # a layer appended to the list
     tensors, floats, ints, shape = [], [], [], None
     for index, layer in enumerate(modules):
         if type(layer).__name__ != "MemoryFormerDecoderLayer":
-            return plan.freeze(False, tokens)
+            return None
         plan.captured.append(layer)
         operands = _derive(plan, layer)
         if operands is None:
-            return plan.freeze(False, tokens)
+            return None
         attention = layer._modules["attention"]
         plan.captured.append(attention)
         if shape is None:
@@ -351,15 +362,22 @@ def _stack_plan(model: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
          temperature) = block
         if (attention.dense is not None or attention.layer_idx != index or qkv_score not in _SCORE_CODES
                 or score not in _SCORE_CODES or (attention.num_heads, attention.head_dim, attention.scaling) != shape):
-            return plan.freeze(False, tokens)
+            return None
         tensors += [w1, b1, qkv, qkv_bias, w2, b2, t1, bias1, wi, bi, t2, bias2]
         floats += [eps1, qkv_temperature, eps2, eps_i, temperature]
         ints += [_NORM_CODES[norm1], qkv_bits, _SCORE_CODES[qkv_score], _NORM_CODES[norm2], int(parallel), bits1,
                  int(gelu), bits2, _SCORE_CODES[score]]
     if shape is None:
-        return plan.freeze(False, tokens)
-    plan.stack = (tensors, [float(f) for f in floats], ints, shape[0], float(shape[2]), shape[1], len(modules))
-    return plan.freeze(True, tokens)
+        return None
+    return tensors, [float(f) for f in floats], ints, shape[0], float(shape[2]), shape[1], len(modules)
+
+
+def _stack_plan(model: nn.Module, dtype: torch.dtype, tokens: int) -> _Plan:
+    """The plan of `decode_stack` for a `MemoryFormerModel`: `_stack_operands` in `plan.stack`; `plan.ok` False where
+    they are None."""
+    plan = _Plan(dtype)
+    plan.stack = _stack_operands(plan, model)
+    return plan.freeze(plan.stack is not None, tokens)
 
 
 # The mark (in a tensor's __dict__) of the one view of a KV buffer with room that `decode_stack` may grow in place:
@@ -369,6 +387,9 @@ _ROOM = "_memoryformer_kv_room"
 
 # As `cache_grows_by_cat` found them (a class patched later is left to the per-layer step).
 _LAYER_UPDATE, _CACHE_UPDATE = getattr(DynamicLayer, "update", None), DynamicCache.update
+# As `static_cache_writes_at_length` found them, at import: while tracing, the trial (tensor ops) cannot run.
+_STATIC_UPDATE, _STATIC_CACHE_UPDATE = getattr(StaticLayer, "update", None), StaticCache.update
+_STATIC_WRITES = StaticLayer is not None and static_cache_writes_at_length()
 _GROWN = attrgetter("keys", "values", "is_initialized")
 
 
@@ -425,6 +446,53 @@ def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_m
         vars(old_value).pop(_ROOM, None)
         vars(key)[_ROOM] = vars(value)[_ROOM] = True
         layer.keys, layer.values = key, value
+    return out.view(batch, 1, hidden)
+
+
+def decode_stack_traced(model: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
+                        kwargs: dict) -> torch.Tensor | None:
+    """`decode_stack_step` while torch.compile traces a decode step over a static cache (transformers' compiled step):
+    every decoder layer in one `decode_stack_static` call, a node of the graph that writes each layer's buffers and
+    length in place as `StaticLayer.update` does (`static_cache_writes_at_length` checked that the running release's
+    does that) and attends over them as the modules do; one call per step instead of five to six per layer (MF-base:
+    about 1 ms a step of the compiled wrapper's calls). The operands are read as for the eager stack (Dynamo guards
+    the reads); None where the layers' traced step or the modules run: where `decode_stack_step`'s conditions fail
+    (bar the ones about tracing and the cache's class), a cache other than a plain `StaticCache` of `StaticLayer`s
+    with room for the step, int8 tables."""
+    if (not torch.compiler.is_compiling() or not _STATIC_WRITES or hidden_states.dim() != 3
+            or hidden_states.shape[1] != 1 or type(cache) is not StaticCache or model.training
+            or torch.is_grad_enabled() or hidden_states.device.type != "cpu"
+            or hidden_states.dtype not in _DECODE_ATTENTION_DTYPES or not uses_fused(hidden_states)
+            or outputs_captured() or any(kwargs.get(name) is not None for name in _NOT_FOR_DECODE_ATTENTION)):
+        return None
+    module = nn.modules.module
+    implementation = model.config._attn_implementation
+    if (module._global_forward_hooks or module._global_forward_pre_hooks or StaticLayer.update is not _STATIC_UPDATE
+            or StaticCache.update is not _STATIC_CACHE_UPDATE
+            or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
+                ALL_ATTENTION_FUNCTIONS.get("sdpa"))):
+        return None
+    batch, hidden, dtype = hidden_states.shape[0], hidden_states.shape[-1], hidden_states.dtype
+    plan = _Plan(dtype, traced=True)
+    stack = _stack_operands(plan, model)
+    if stack is None or not _traced_plan_holds(plan):
+        return None
+    tensors, floats, ints, heads, scaling, head_dim, count = stack
+    layers = cache.layers
+    if len(layers) != count or any(type(layer) is not StaticLayer or not layer.is_initialized for layer in layers):
+        return None
+    keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    lengths = [layer.cumulative_length for layer in layers]
+    shape = keys[0].shape
+    if (len(shape) != 4 or shape[0] != batch or shape[1] != heads or shape[3] != head_dim
+            or any(t.shape != shape or t.dtype != dtype or not t.is_cpu for t in keys + values)
+            or any(not isinstance(n, torch.Tensor) or n.numel() != 1 or n.dtype != torch.long for n in lengths)):
+        return None
+    rotary = _rotary_rows(position_embeddings, dtype, batch, paged=False)
+    if rotary is None or not decode_mask_fits(attention_mask, batch, heads, shape[2], dtype):
+        return None
+    out = fused_ops().decode_stack_static(hidden_states.reshape(batch, hidden), keys, values, lengths, attention_mask,
+                                          *rotary, heads, scaling, tensors, floats, ints)
     return out.view(batch, 1, hidden)
 
 

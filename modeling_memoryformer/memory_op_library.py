@@ -63,6 +63,10 @@ OP_SCHEMAS = {
     "decode_stack": "(Tensor x, Tensor[] keys, Tensor[] values, Tensor? mask, Tensor cos, Tensor sin, int num_heads, "
                     "float scaling, Tensor?[] tensors, float[] floats, int[] ints, int[] owned=[]) "
                     "-> (Tensor, Tensor[], Tensor[])",
+    # The same over a static cache (StaticCache): each layer's buffers written in place at its length, which advances.
+    "decode_stack_static": "(Tensor x, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor(c!)[] lengths, Tensor? mask, "
+                           "Tensor cos, Tensor sin, int num_heads, float scaling, Tensor?[] tensors, float[] floats, "
+                           "int[] ints) -> Tensor",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",
     "machine_info": "() -> int[]",
@@ -172,6 +176,10 @@ def _register_fakes(namespace: str) -> None:
     def _decode_stack(x, keys, values, *args):
         grown = [torch.cat([k, k[:, :, :1]], dim=-2) for k in keys]
         return torch.empty_like(x), grown, [torch.cat([v, v[:, :, :1]], dim=-2) for v in values]
+
+    @fake("decode_stack_static")
+    def _decode_stack_static(x, keys, values, lengths, *args):
+        return torch.empty_like(x)
 
     @fake("rowwise_adagrad_step")
     def _rowwise_adagrad_step(weight, grad, state_sum, lr, eps, weight_decay):

@@ -27,7 +27,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_memoryformer import MemoryFormerConfig
 from .decode_loop import sample as lean_sample
 from .decode_layer import (decode_layer_step, decode_layer_traced, decode_stack_run, decode_stack_step,
-                           decode_step_mask, rotary_table_rows)
+                           decode_stack_traced, decode_step_mask, rotary_table_rows)
 from .huge_pages import place_on_huge_pages
 from .memory_loss import uses_chunked_loss
 from .memory_ops import decode_attention_forward, few_rows_linear, few_rows_linear_argmax, linear_cross_entropy
@@ -577,7 +577,8 @@ class MemoryFormerModel(MemoryFormerPreTrainedModel):
         mask = decode_step_mask(self, attention_mask, inputs_embeds, past_key_values, position_ids, stack_only)
         hidden_states = self.emb_dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        stacked = decode_stack_step(self, hidden_states, mask, position_embeddings, past_key_values, kwargs)
+        stacked = (decode_stack_traced if torch.compiler.is_compiling() else decode_stack_step)(
+            self, hidden_states, mask, position_embeddings, past_key_values, kwargs)
         if stacked is None and stack_only:
             return None
         for decoder_layer in self.layers if stacked is None else ():  # else every layer ran in one call

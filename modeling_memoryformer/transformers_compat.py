@@ -148,6 +148,34 @@ def cache_grows_by_cat() -> bool:
             and torch.equal(keys, grown) and torch.equal(values, -grown))
 
 
+try:  # the layer class of a StaticCache (5.x); a release without it: the per-layer compiled step
+    from transformers.cache_utils import StaticLayer
+except ImportError:  # pragma: no cover
+    StaticLayer = None
+
+
+@functools.cache
+def static_cache_writes_at_length() -> bool:
+    """Whether the running release's `StaticLayer.update` writes the new keys and values at positions
+    `cumulative_length + arange(n)` of its buffers, advances `cumulative_length` (one int64) by n, returns the buffers
+    and changes nothing else: tried once on a layer (what `decode_stack_static` does in its place)."""
+    try:
+        layer = StaticLayer(max_cache_len=4)
+        first, new = torch.arange(4.0).view(1, 1, 1, 4), torch.arange(4.0, 8.0).view(1, 1, 1, 4)
+        layer.update(first, -first)
+        before = dict(vars(layer))
+        length, keys_buffer = layer.cumulative_length, layer.keys
+        keys, values = layer.update(new, -new)
+        after = dict(vars(layer))
+    except Exception:  # another interface: the model's own per-layer calls
+        return False
+    written = torch.cat([first, new, torch.zeros(1, 1, 2, 4)], dim=-2)
+    others = {name for name in before if before[name] is not after.get(name)} | (after.keys() - before.keys())
+    return (keys is keys_buffer and values is after.get("values") and not others and isinstance(length, torch.Tensor)
+            and after.get("cumulative_length") is length and length.numel() == 1 and length.dtype == torch.long
+            and int(length) == 2 and torch.equal(keys, written) and torch.equal(values, -written))
+
+
 try:
     from transformers.utils.output_capturing import _active_collector as _OUTPUT_COLLECTOR
 except ImportError:
@@ -279,9 +307,11 @@ def compiled_decode_kwargs(device: str | torch.device = "cpu", fullgraph: bool =
 
     The same greedy tokens as the eager decode (tests/model/test_generation.py). The first call compiles (about 30 s
     for MF-tiny, minutes for MF-base on 2 CPU cores); later calls with the same batch size and cache length reuse it.
-    On the CPU Inductor's C++ code runs the small ops between the Memory Layers' lookups and the LM head as a few
-    fused loops instead of hundreds of dispatches per step; CUDA graphs ("reduce-overhead", transformers' default)
-    are kept on GPUs only."""
+    On the CPU each decoder layer of the compiled step is the eager step's two fused-kernel calls (decode_qkv and
+    decode_block, `decode_layer.decode_layer_traced`) around the static cache's update and the decode attention,
+    with the rest in Inductor's C++ loops; CUDA graphs ("reduce-overhead", transformers' default) are kept on GPUs
+    only. On the CPU the eager `generate` (every layer in one fused call, no guards to check per step) is still the
+    faster of the two (docs/performance.md)."""
     from transformers.generation.configuration_utils import CompileConfig
 
     on_gpu = torch.device(device).type == "cuda"

@@ -357,28 +357,35 @@ def fused_calls(graph: list) -> dict:
     """How often a graph calls each of the ops (as an overload packet or its default overload)."""
     names = list(map(str, graph))
     return {name: names.count(f"memoryformer.{name}") + names.count(f"memoryformer.{name}.default")
-            for name in ("decode_qkv", "decode_block", "hash", "lookup")}
+            for name in ("decode_stack_static", "decode_qkv", "decode_block", "hash", "lookup")}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_compiled_decode_step_runs_the_fused_ops_as_graph_nodes(monkeypatch, dtype):
-    """Under torch.compile (transformers' compiled step over a static cache) the decode step's graph holds each
-    layer's decode_qkv and decode_block (decode_layer_traced) instead of its Memory Layers' hashes and lookups, and
-    gives the tokens and scores of the modules over the same cache, bit for bit; the prefill's graph runs the
-    modules."""
+    """Under torch.compile (transformers' compiled step over a static cache) the decode step's graph holds one
+    decode_stack_static (decode_stack_traced), or where that is off each layer's decode_qkv and decode_block
+    (decode_layer_traced), instead of the Memory Layers' hashes and lookups; each gives the tokens and scores of the
+    modules over the same cache, bit for bit. The prefill's graph runs the modules."""
     model = tiny_model(attn_implementation="sdpa").to(dtype)
     layers, graphs = model.config.num_hidden_layers, []
-    fast = compiled_generate(model, graphs)
+    stacked = compiled_generate(model, graphs)
     prefill, decode = map(fused_calls, graphs)  # one graph per sequence length (7, then 1)
-    assert prefill == dict(decode_qkv=0, decode_block=0, hash=3 * layers, lookup=3 * layers)
-    assert decode == dict(decode_qkv=layers, decode_block=layers, hash=0, lookup=0)
+    assert prefill == dict(decode_stack_static=0, decode_qkv=0, decode_block=0, hash=3 * layers, lookup=3 * layers)
+    assert decode == dict(decode_stack_static=1, decode_qkv=0, decode_block=0, hash=0, lookup=0)
+    monkeypatch.setattr(modeling, "decode_stack_traced", lambda *args, **kwargs: None)
+    graphs.clear()
+    per_layer = compiled_generate(model, graphs)
+    assert fused_calls(graphs[1]) == dict(decode_stack_static=0, decode_qkv=layers, decode_block=layers, hash=0,
+                                          lookup=0)
     modules_only(monkeypatch)
     monkeypatch.setattr(modeling, "decode_layer_traced", lambda *args, **kwargs: None)
     graphs.clear()
     modules = compiled_generate(model, graphs)
-    assert fused_calls(graphs[1]) == dict(decode_qkv=0, decode_block=0, hash=3 * layers, lookup=3 * layers)
-    assert all(torch.equal(a, b) for a, b in zip(fast, modules))
-    assert all(torch.equal(a, b) for a, b in zip(fast, generate(model, cache_implementation="static")))
+    assert fused_calls(graphs[1]) == dict(decode_stack_static=0, decode_qkv=0, decode_block=0, hash=3 * layers,
+                                          lookup=3 * layers)
+    assert all(torch.equal(a, b) for a, b in zip(stacked, modules))
+    assert all(torch.equal(a, b) for a, b in zip(per_layer, modules))
+    assert all(torch.equal(a, b) for a, b in zip(stacked, generate(model, cache_implementation="static")))
 
 
 def test_a_compiled_decode_step_leaves_a_hooked_layer_to_the_modules(monkeypatch):
@@ -389,7 +396,8 @@ def test_a_compiled_decode_step_leaves_a_hooked_layer_to_the_modules(monkeypatch
     layers, graphs, seen = model.config.num_hidden_layers, [], []
     model.model.layers[1].memory_block.layer1.register_forward_hook(lambda *args: seen.append(1))
     fast = compiled_generate(model, graphs)
-    assert fused_calls(graphs[1]) == dict(decode_qkv=layers - 1, decode_block=layers - 1, hash=3, lookup=3)
+    assert fused_calls(graphs[1]) == dict(decode_stack_static=0, decode_qkv=layers - 1, decode_block=layers - 1,
+                                          hash=3, lookup=3)  # the stack steps aside; the other layers still fuse
     assert len(seen) == NEW  # the prefill and every decode step
     modules_only(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(fast, generate(model, cache_implementation="static")))
@@ -402,5 +410,45 @@ def test_a_compiled_decode_step_follows_a_cast_model():
     graphs = []
     cast = compiled_generate(model, graphs, hook=lambda: model.to(torch.bfloat16))
     assert len(graphs) == 4  # prefill and decode step, before and after the cast
-    assert fused_calls(graphs[3])["decode_qkv"] == model.config.num_hidden_layers
+    assert fused_calls(graphs[3])["decode_stack_static"] == 1
     assert all(torch.equal(a, b) for a, b in zip(cast, generate(model, cache_implementation="static")))
+
+
+def test_the_static_stack_relies_on_the_release_s_static_layer_and_refuses_a_full_buffer(monkeypatch):
+    """What decode_stack_static does in StaticLayer.update's place, checked against the release's own layer (the trial
+    says False for an update that writes elsewhere); and a buffer with no position left is refused with the fix."""
+    from transformers.cache_utils import StaticLayer
+
+    from modeling_memoryformer import transformers_compat
+
+    assert transformers_compat.static_cache_writes_at_length()
+    update = StaticLayer.update
+
+    def shifted(self, key_states, value_states, *args, **kwargs):  # one position further than the release's
+        self.cumulative_length.add_(1)
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    transformers_compat.static_cache_writes_at_length.cache_clear()
+    monkeypatch.setattr(StaticLayer, "update", shifted)
+    try:
+        assert not transformers_compat.static_cache_writes_at_length()
+    finally:
+        transformers_compat.static_cache_writes_at_length.cache_clear()
+    model = tiny_model(attn_implementation="sdpa")
+    plan = decode_layer._Plan(torch.float32)
+    tensors, floats, ints, heads, scaling, head_dim, count = decode_layer._stack_operands(plan, model.model)
+    x = torch.randn(1, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(x[None], torch.tensor([[3]]))
+    keys = [torch.zeros(1, heads, 4, head_dim) for _ in range(count)]
+    values = [torch.zeros(1, heads, 4, head_dim) for _ in range(count)]
+    lengths = [torch.tensor(3) for _ in range(count)]
+    torch.ops.memoryformer.decode_stack_static(x, keys, values, lengths, None, cos, sin, heads, scaling, tensors,
+                                               floats, ints)
+    assert all(int(n) == 4 for n in lengths) and all(k[:, :, 3].abs().sum() > 0 for k in keys)
+    assert all(not k[:, :, :3].any() for k in keys)  # only the position at the length is written
+    lengths[0] = torch.tensor(2)  # the first layer has room, the others not: nothing may be written
+    before = [k.clone() for k in keys]
+    with pytest.raises(RuntimeError, match="layer 1 has 4 of its 4 positions written: no room.*max_cache_len"):
+        torch.ops.memoryformer.decode_stack_static(x, keys, values, lengths, None, cos, sin, heads, scaling, tensors,
+                                                   floats, ints)
+    assert all(torch.equal(a, b) for a, b in zip(keys, before)) and int(lengths[0]) == 2

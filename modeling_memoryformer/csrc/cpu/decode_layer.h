@@ -259,30 +259,16 @@ at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Ten
                     inner_eps, steps);
 }
 
-// Every decoder layer of a decode step in one call, for a cache whose layers grow by concatenation (transformers'
-// DynamicCache: DynamicLayer.update is torch.cat([keys, new], dim=-2)): per layer, decode_qkv, the cache's growth
-// (grow_cache: the values of that cat, in place where `owned[l]` allows), the decode attention and decode_block, the
-// same ops in the same order as decode_layer.py's per-layer step, without the Python between them (about 150 us per
-// layer of MF-small). keys[l] and values[l] are layer l's cache [N, heads, T, D]; the layers' operands come flat:
-// `tensors` 12 per layer (norm1 weight and bias, Q/K/V tables and bias, norm2 weight and bias, layer1 tables and
-// bias, inner norm weight and bias, layer2 tables and bias), `floats` 5 (norm1 eps, Q/K/V temperature, norm2 eps,
-// inner eps, block temperature) and `ints` 9 (norm1 kind, Q/K/V hash bits, Q/K/V score, norm2 kind, parallel
-// residual, layer1 hash bits, gelu, layer2 hash bits, block score), a kind being 0 = layernorm, 1 = rmsnorm and a
-// score 0 = paper, 1 = l1. `owned` holds one flag per layer (or none: no layer owned). Returns the last layer's
-// output and every layer's grown keys and values, which the caller stores in its cache.
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_stack_op(
-    const at::Tensor& x, at::TensorList keys, at::TensorList values, const std::optional<at::Tensor>& mask,
-    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double scaling,
-    const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints,
-    at::IntArrayRef owned) {
-  const char* op = "memoryformer.decode_stack";
-  const int64_t L = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == L && static_cast<int64_t>(tensors.size()) == 12 * L &&
-              static_cast<int64_t>(floats.size()) == 5 * L && static_cast<int64_t>(ints.size()) == 9 * L, op,
-              ": for ", L, " layers of keys, expected as many values, 12 tensors, 5 floats and 9 ints per layer, got ",
-              values.size(), ", ", tensors.size(), ", ", floats.size(), " and ", ints.size());
-  TORCH_CHECK(owned.empty() || static_cast<int64_t>(owned.size()) == L, op, ": owned must hold one flag per layer (",
-              L, ") or none, got ", owned.size());
+// The layers of a decode step as decode_stack and decode_stack_static run them: per layer decode_qkv (the lean layer
+// where it applies), then `attend(l, qkv, lean, scratch)`, which puts the layer's new key and value into its cache and
+// returns the attention [N, d], then decode_block. The operands come flat, as decode_stack's comment says.
+template <typename Attend>
+at::Tensor stack_layers(const char* op, const at::Tensor& x, int64_t L, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t num_heads, const c10::List<std::optional<at::Tensor>>& tensors,
+                        at::ArrayRef<double> floats, at::IntArrayRef ints, Attend&& attend) {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 12 * L && static_cast<int64_t>(floats.size()) == 5 * L &&
+              static_cast<int64_t>(ints.size()) == 9 * L, op, ": for ", L, " layers, expected 12 tensors, 5 floats "
+              "and 9 ints per layer, got ", tensors.size(), ", ", floats.size(), " and ", ints.size());
   TORCH_CHECK(x.dim() == 2 && num_heads >= 1 && x.size(1) % num_heads == 0, op, ": x must be [N, hidden] with hidden "
               "a multiple of num_heads ", num_heads, ", got ", x.sizes());
   const int64_t N = x.size(0), d = x.size(1), D = d / num_heads;
@@ -297,9 +283,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
     TORCH_CHECK(t.has_value(), op, ": operand ", i % 12, " of layer ", i / 12, " is required");
     return *t;
   };
-  std::vector<at::Tensor> new_keys, new_values;
-  new_keys.reserve(L);
-  new_values.reserve(L);
   at::Tensor h = x;
   const auto dtype = x.scalar_type();
   // The lean layer takes cos and sin only in the form decode_qkv accepts (else decode_qkv runs each layer and says
@@ -328,33 +311,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
       qkv = decode_qkv_op(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), tables_qkv, tensor(t + 3),
                           ints[i + 1], pick(scores, ints[i + 2]), floats[f + 1], cos, sin, num_heads);
     }
-    const bool own = !owned.empty() && owned[l] != 0;
-    TORCH_CHECK(keys[l].dim() == 4 && values[l].sizes() == keys[l].sizes() && keys[l].size(0) == N &&
-                keys[l].size(1) == num_heads && keys[l].size(3) == D && keys[l].scalar_type() == dtype &&
-                values[l].scalar_type() == dtype, op, ": layer ", l, "'s keys and values must be [", N, ", ",
-                num_heads, ", T, ", D, "] in x's dtype ", dtype, ", got ", keys[l].sizes(), " ",
-                keys[l].scalar_type(), " and ", values[l].sizes(), " ", values[l].scalar_type());
-    at::Tensor attn;
-    if (lean && !(mask.has_value() && mask->defined())) {
-      // qkv [N, 3, heads, D] (contiguous) read in place: the new keys and values grown into the cache, the attention
-      // written into the scratch [N, d] ([N, 1, heads, D] as decode_attention gives it): the values of the op path
-      // below, without its views and checks.
-      const char* src = static_cast<const char*>(qkv.data_ptr());
-      const int64_t esize = static_cast<int64_t>(qkv.element_size());
-      new_keys.push_back(grow_cache_from(keys[l], src + d * esize, 3 * d, D, 1, grows_in_place(keys[l], own)));
-      new_values.push_back(grow_cache_from(values[l], src + 2 * d * esize, 3 * d, D, 1,
-                                           grows_in_place(values[l], own)));
-      if (!scratch.attn.defined()) scratch.attn = at::empty({N, d}, x.options());
-      attn = scratch.attn;
-      decode_attention_into(qkv.data_ptr(), 3 * d, D, new_keys.back(), new_values.back(), num_heads, float(scaling),
-                            nullptr, nullptr, attn.data_ptr());
-    } else {
-      const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
-      new_keys.push_back(grow_cache(keys[l], parts[1], own));
-      new_values.push_back(grow_cache(values[l], parts[2], own));
-      attn = decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
-                 .reshape({N, 1, d}).contiguous().view({N, d});
-    }
+    const at::Tensor attn = attend(l, qkv, lean, scratch);
     if (lean)
       h = lean_block(h, attn, required(t + 4), tensor(t + 5), floats[f + 2], pick(norms, ints[i + 3]),
                      ints[i + 4] != 0, tables1, tensor(t + 7), ints[i + 5], ints[i + 6] != 0, required(t + 8),
@@ -366,5 +323,63 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
                           required(t + 8), tensor(t + 9), floats[f + 3], tables2, tensor(t + 11), ints[i + 7],
                           pick(scores, ints[i + 8]), floats[f + 4]);
   }
+  return h;
+}
+
+// Every decoder layer of a decode step in one call, for a cache whose layers grow by concatenation (transformers'
+// DynamicCache: DynamicLayer.update is torch.cat([keys, new], dim=-2)): per layer, decode_qkv, the cache's growth
+// (grow_cache: the values of that cat, in place where `owned[l]` allows), the decode attention and decode_block, the
+// same ops in the same order as decode_layer.py's per-layer step, without the Python between them (about 150 us per
+// layer of MF-small). keys[l] and values[l] are layer l's cache [N, heads, T, D]; the layers' operands come flat:
+// `tensors` 12 per layer (norm1 weight and bias, Q/K/V tables and bias, norm2 weight and bias, layer1 tables and
+// bias, inner norm weight and bias, layer2 tables and bias), `floats` 5 (norm1 eps, Q/K/V temperature, norm2 eps,
+// inner eps, block temperature) and `ints` 9 (norm1 kind, Q/K/V hash bits, Q/K/V score, norm2 kind, parallel
+// residual, layer1 hash bits, gelu, layer2 hash bits, block score), a kind being 0 = layernorm, 1 = rmsnorm and a
+// score 0 = paper, 1 = l1. `owned` holds one flag per layer (or none: no layer owned). Returns the last layer's
+// output and every layer's grown keys and values, which the caller stores in its cache.
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_stack_op(
+    const at::Tensor& x, at::TensorList keys, at::TensorList values, const std::optional<at::Tensor>& mask,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double scaling,
+    const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints,
+    at::IntArrayRef owned) {
+  const char* op = "memoryformer.decode_stack";
+  const int64_t L = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == L, op, ": for ", L, " layers of keys, expected as many values, "
+              "got ", values.size());
+  TORCH_CHECK(owned.empty() || static_cast<int64_t>(owned.size()) == L, op, ": owned must hold one flag per layer (",
+              L, ") or none, got ", owned.size());
+  std::vector<at::Tensor> new_keys, new_values;
+  new_keys.reserve(L);
+  new_values.reserve(L);
+  const bool masked = mask.has_value() && mask->defined();
+  at::Tensor h = stack_layers(op, x, L, cos, sin, num_heads, tensors, floats, ints,
+                              [&](int64_t l, const at::Tensor& qkv, bool lean, LeanScratch& scratch) {
+    const int64_t N = x.size(0), d = x.size(1), D = d / num_heads;
+    const bool own = !owned.empty() && owned[l] != 0;
+    TORCH_CHECK(keys[l].dim() == 4 && values[l].sizes() == keys[l].sizes() && keys[l].size(0) == N &&
+                keys[l].size(1) == num_heads && keys[l].size(3) == D && keys[l].scalar_type() == x.scalar_type() &&
+                values[l].scalar_type() == x.scalar_type(), op, ": layer ", l, "'s keys and values must be [", N,
+                ", ", num_heads, ", T, ", D, "] in x's dtype ", x.scalar_type(), ", got ", keys[l].sizes(), " ",
+                keys[l].scalar_type(), " and ", values[l].sizes(), " ", values[l].scalar_type());
+    if (lean && !masked) {
+      // qkv [N, 3, heads, D] (contiguous) read in place: the new keys and values grown into the cache, the attention
+      // written into the scratch [N, d] ([N, 1, heads, D] as decode_attention gives it): the values of the op path
+      // below, without its views and checks.
+      const char* src = static_cast<const char*>(qkv.data_ptr());
+      const int64_t esize = static_cast<int64_t>(qkv.element_size());
+      new_keys.push_back(grow_cache_from(keys[l], src + d * esize, 3 * d, D, 1, grows_in_place(keys[l], own)));
+      new_values.push_back(grow_cache_from(values[l], src + 2 * d * esize, 3 * d, D, 1,
+                                           grows_in_place(values[l], own)));
+      if (!scratch.attn.defined()) scratch.attn = at::empty({N, d}, x.options());
+      decode_attention_into(qkv.data_ptr(), 3 * d, D, new_keys.back(), new_values.back(), num_heads, float(scaling),
+                            nullptr, nullptr, scratch.attn.data_ptr());
+      return scratch.attn;
+    }
+    const auto parts = qkv.view({N, 1, 3, num_heads, D}).permute({2, 0, 3, 1, 4});  // [3, N, heads, 1, D]
+    new_keys.push_back(grow_cache(keys[l], parts[1], own));
+    new_values.push_back(grow_cache(values[l], parts[2], own));
+    return decode_attention_op(parts[0], new_keys.back(), new_values.back(), mask, scaling)
+        .reshape({N, 1, d}).contiguous().view({N, d});
+  });
   return {h, new_keys, new_values};
 }

@@ -36,6 +36,8 @@
 //       its KV cache update and attention, the modules' ops in their order (see decode_layer.h).
 // - decode_stack(x, keys[], values[], mask?, cos, sin, heads, scaling, operands...) -> (out, keys[], values[]): every
 //       decoder layer of a decode step in one call (decode_qkv, the cache's growth, decode_attention, decode_block).
+// - decode_stack_static(x, keys[], values[], lengths[], mask?, cos, sin, heads, scaling, operands...) -> out: the same
+//       over a static cache's buffers, written in place at each layer's length (see static_stack.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").

@@ -43,8 +43,9 @@ Paired cells (`--paired-paths`, eager by default): after the two cells of a pres
 builds both models and alternates their timed calls (`run_pair`), so each pair's ratio compares calls of the same
 minute; the cells' "vs twin" divides tokens/s measured minutes apart, which on a host whose memory speed moves can
 move the ratio by a third between runs (MF-base int8 3.55x and 5.36x on one Zen 4 guest an hour apart).
-`--pair-mixed` adds a paired cell with each model on its faster path: MemoryFormer eager (its fused decode stack; its
-compiled step runs the module graph), the twin compiled (transformers' modules, 18-38% of their bound when eager).
+`--pair-mixed` adds a paired cell with each model on its faster path: MemoryFormer eager (its fused decode stack, in
+one call a step; compiled, the same stack over the static cache, `decode_stack_static`, behind Dynamo's guards and
+Inductor's wrapper), the twin compiled (transformers' modules, 18-38% of their bound when eager).
 
 Each cell runs in a fresh subprocess, so its peak RSS (VmHWM: build + decode) is its own. MemoryFormer and its twin
 are built on the meta device and materialised in their storage dtype (`build_in_dtype`): MF-base in bf16 never

@@ -307,11 +307,11 @@ def compiled_decode_kwargs(device: str | torch.device = "cpu", fullgraph: bool =
 
     The same greedy tokens as the eager decode (tests/model/test_generation.py). The first call compiles (about 30 s
     for MF-tiny, minutes for MF-base on 2 CPU cores); later calls with the same batch size and cache length reuse it.
-    On the CPU each decoder layer of the compiled step is the eager step's two fused-kernel calls (decode_qkv and
-    decode_block, `decode_layer.decode_layer_traced`) around the static cache's update and the decode attention,
-    with the rest in Inductor's C++ loops; CUDA graphs ("reduce-overhead", transformers' default) are kept on GPUs
-    only. On the CPU the eager `generate` (every layer in one fused call, no guards to check per step) is still the
-    faster of the two (docs/performance.md)."""
+    On the CPU the compiled step runs every decoder layer in one fused-kernel call over the static cache
+    (`decode_stack_static`, `decode_layer.decode_stack_traced`), the rest in Inductor's C++ loops; CUDA graphs
+    ("reduce-overhead", transformers' default) are kept on GPUs only. On the CPU the eager `generate` (the same
+    stack over a dynamic cache, with no guards to check and no wrapper per step) stays the faster of the two
+    (docs/performance.md)."""
     from transformers.generation.configuration_utils import CompileConfig
 
     on_gpu = torch.device(device).type == "cuda"

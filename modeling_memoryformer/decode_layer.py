@@ -20,12 +20,13 @@ done in C++ too).
 Each op inside the calls is the one the modules run, in their order and dtype, so the output is bit-identical to the
 modules' (tests/model/test_decode_layer.py, test_decode_stack.py). Where anything could make the two differ, the
 step declines (returns None) and the caller runs the modules: gradients, training, more than one position (but a
-continuous-batching step, whose tokens are rows of one sequence dimension), torch.compile (`decode_layer_traced` then
-puts the same two ops into the traced graph), profiling or a dispatch mode, another attention implementation outside
-continuous batching, hooks on a submodule (other than transformers' output capture on the attention, whose attention
-weights this path never has: the modules' "sdpa" path returns none either) or a forward replaced on one (accelerate's
-offloading hooks), a replaced submodule (PEFT, quantisation wrappers), tables, norms or rotary tables of another dtype
-than the hidden states, or a kernel choice other than the fused one.
+continuous-batching step, whose tokens are rows of one sequence dimension), torch.compile (where
+`decode_stack_traced`, or per layer `decode_layer_traced`, puts the same ops into the traced graph), profiling or a
+dispatch mode, another attention implementation outside continuous batching, hooks on a submodule (other than
+transformers' output capture on the attention, whose attention weights this path never has: the modules' "sdpa" path
+returns none either) or a forward replaced on one (accelerate's offloading hooks), a replaced submodule (PEFT,
+quantisation wrappers), tables, norms or rotary tables of another dtype than the hidden states, or a kernel choice
+other than the fused one.
 """
 
 from __future__ import annotations
@@ -457,8 +458,8 @@ def decode_stack_traced(model: nn.Module, hidden_states: torch.Tensor, attention
     does that) and attends over them as the modules do; one call per step instead of five to six per layer (MF-base:
     about 1 ms a step of the compiled wrapper's calls). The operands are read as for the eager stack (Dynamo guards
     the reads); None where the layers' traced step or the modules run: where `decode_stack_step`'s conditions fail
-    (bar the ones about tracing and the cache's class), a cache other than a plain `StaticCache` of `StaticLayer`s
-    with room for the step, int8 tables."""
+    (bar the ones about tracing and the cache's class), a cache other than a plain `StaticCache` of `StaticLayer`s,
+    int8 tables. A buffer with no position left is the op's error (the modules' `index_copy_` fails there too)."""
     if (not torch.compiler.is_compiling() or not _STATIC_WRITES or hidden_states.dim() != 3
             or hidden_states.shape[1] != 1 or type(cache) is not StaticCache or model.training
             or torch.is_grad_enabled() or hidden_states.device.type != "cpu"

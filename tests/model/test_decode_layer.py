@@ -404,10 +404,11 @@ def test_a_compiled_decode_step_leaves_a_hooked_layer_to_the_modules(monkeypatch
 
 
 def test_a_compiled_decode_step_follows_a_cast_model():
-    """Dynamo's guards on the operands decode_layer_traced read (the tensors' dtypes) compile the step again after a
-    cast, so the fused ops never read the old tensors: the tokens after `.to(bfloat16)` are the bfloat16 eager ones."""
+    """Dynamo's guards on the operands decode_stack_traced read (the tensors' dtypes) compile the step again after a
+    cast, so the fused op never reads the old tensors: the tokens after `.to(bfloat16)` are the bfloat16 eager ones."""
     model = tiny_model(attn_implementation="sdpa")
     graphs = []
+
     def cast_model():
         model.to(torch.bfloat16)
         vars(model).pop("_cache", None)  # transformers 5.10's generate keeps its StaticCache here, dtype unchecked

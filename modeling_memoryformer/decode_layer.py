@@ -257,20 +257,37 @@ def decode_layer_step(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     rotary = _rotary_rows(position_embeddings, dtype, tokens, paged)
     if rotary is None:
         return None
-    cos, sin = rotary
-    ops = fused_ops()
-    x = hidden_states.reshape(tokens, hidden)
-    qkv = ops.decode_qkv.default.redispatch(_CPU_KEYS, x, *plan.qkv, cos, sin, attention.num_heads)
-    shape = (1, tokens) if paged else (tokens, 1)
+    return _layer_ops(_redispatched, attention, hidden_states.reshape(tokens, hidden), (plan.qkv, plan.block), rotary,
+                      (1, tokens) if paged else (tokens, 1), cache, attention_mask, interface, kwargs)
+
+
+def _redispatched(op, *args):
+    """`op(*args)` straight to its CPU kernel (the eager step: nothing records or watches the call)."""
+    return op.default.redispatch(_CPU_KEYS, *args)
+
+
+def _dispatched(op, *args):
+    """`op(*args)` through the dispatcher (while tracing: a node of the graph)."""
+    return op(*args)
+
+
+def _layer_ops(call, attention: nn.Module, x: torch.Tensor, operands: tuple, rotary: tuple, shape: tuple, cache,
+               attention_mask, interface, kwargs: dict) -> torch.Tensor:
+    """A decoder layer's decode step on x [tokens, hidden], as `decode_layer_step` and `decode_layer_traced` run it:
+    decode_qkv (by `call`), the cache update, the attention ("sdpa": the decode attention), the attention-output
+    Memory Layer where there is one, decode_block; `operands` are the two ops' (`_derive`), `shape` the step's
+    leading dimensions ([tokens, 1], or [1, tokens] for a continuous-batching step). Returns [*shape, hidden]."""
+    ops, (tokens, hidden) = fused_ops(), x.shape
+    qkv = call(ops.decode_qkv, x, *operands[0], *rotary, attention.num_heads)
     query, key, value = qkv.view(*shape, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4).unbind()
     key, value = update_kv_cache(cache, key, value, attention.layer_idx, interface, kwargs)
-    attn, _ = (decode_attention_forward if interface is sdpa else interface)(
+    sdpa = interface is ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    attn, _ = (decode_attention_forward if sdpa else interface)(
         attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **kwargs)
     attn = attn.reshape(*shape, hidden).contiguous()
     if attention.dense is not None:
         attn = attention.dense(attn)
-    out = ops.decode_block.default.redispatch(_CPU_KEYS, x, attn.view(tokens, hidden), *plan.block)
-    return out.view(*shape, hidden)
+    return call(ops.decode_block, x, attn.view(tokens, hidden), *operands[1]).view(*shape, hidden)
 
 
 def _traced_plan_holds(plan: _Plan) -> bool:
@@ -300,38 +317,24 @@ def decode_layer_traced(layer: nn.Module, hidden_states: torch.Tensor, attention
             or not uses_fused(hidden_states)):
         return None
     module = nn.modules.module
-    attention, block = layer._modules.get("attention"), layer._modules.get("memory_block")
-    if (type(attention).__name__ != "MemoryFormerAttention" or type(block).__name__ != "MemoryBlock"
-            or attention.training or module._global_forward_hooks or module._global_forward_pre_hooks
-            or _attention_hooked(attention)):
+    attention = layer._modules.get("attention")
+    if (type(attention).__name__ != "MemoryFormerAttention" or attention.training or module._global_forward_hooks
+            or module._global_forward_pre_hooks or _attention_hooked(attention)):
         return None
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, None)
-    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-    if interface is not sdpa or any(getattr(block._modules.get(name), "table_dtype", "int8") == "int8"
-                                    for name in ("layer1", "layer2")) or getattr(
-            attention._modules.get("query_key_value"), "table_dtype", "int8") == "int8":
+    if interface is not ALL_ATTENTION_FUNCTIONS.get("sdpa"):
         return None
     dtype = hidden_states.dtype
-    plan = _Plan(dtype, traced=True)
+    plan = _Plan(dtype, traced=True)  # declines int8 tables (their block is assembled outside tracing)
     operands = _derive(plan, layer)
     if operands is None or not _traced_plan_holds(plan):
         return None
-    rotary = _rotary_rows(position_embeddings, dtype, hidden_states.shape[0], paged=False)
+    tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]
+    rotary = _rotary_rows(position_embeddings, dtype, tokens, paged=False)
     if rotary is None:
         return None
-    qkv_operands, block_operands = operands
-    tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]
-    ops = fused_ops()
-    x = hidden_states.reshape(tokens, hidden)
-    qkv = ops.decode_qkv(x, *qkv_operands, *rotary, attention.num_heads)
-    query, key, value = qkv.view(tokens, 1, 3, attention.num_heads, attention.head_dim).permute(2, 0, 3, 1, 4).unbind()
-    key, value = update_kv_cache(cache, key, value, attention.layer_idx, interface, kwargs)
-    attn, _ = decode_attention_forward(attention, query, key, value, attention_mask, dropout=0.0,
-                                       scaling=attention.scaling, **kwargs)
-    attn = attn.reshape(tokens, 1, hidden).contiguous()
-    if attention.dense is not None:
-        attn = attention.dense(attn)
-    return ops.decode_block(x, attn.view(tokens, hidden), *block_operands).view(tokens, 1, hidden)
+    return _layer_ops(_dispatched, attention, hidden_states.reshape(tokens, hidden), operands, rotary, (tokens, 1),
+                      cache, attention_mask, interface, kwargs)
 
 
 _NORM_CODES, _SCORE_CODES = {"layernorm": 0, "rmsnorm": 1}, {"paper": 0, "l1": 1}  # decode_stack's codes
@@ -394,6 +397,21 @@ _STATIC_WRITES = StaticLayer is not None and static_cache_writes_at_length()
 _GROWN = attrgetter("keys", "values", "is_initialized")
 
 
+def _stack_may_run(model: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> bool:
+    """What the stack asks whatever the cache: one position per sequence on the CPU in a dtype the decode attention
+    takes, no gradient, inference mode, the fused kernel, no output capture recording, no keyword the decode attention
+    does not take, no global hook, the "sdpa" attention."""
+    module = nn.modules.module
+    implementation = model.config._attn_implementation
+    return not (hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or model.training or torch.is_grad_enabled()
+                or hidden_states.device.type != "cpu" or hidden_states.dtype not in _DECODE_ATTENTION_DTYPES
+                or not uses_fused(hidden_states) or outputs_captured()
+                or any(kwargs.get(name) is not None for name in _NOT_FOR_DECODE_ATTENTION)
+                or module._global_forward_hooks or module._global_forward_pre_hooks
+                or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
+                    ALL_ATTENTION_FUNCTIONS.get("sdpa")))
+
+
 def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_mask, position_embeddings, cache,
                       kwargs: dict) -> torch.Tensor | None:
     """Every decoder layer of `MemoryFormerModel` for a decode step in one `decode_stack` call: the per-layer step's
@@ -402,19 +420,9 @@ def decode_stack_step(model: nn.Module, hidden_states: torch.Tensor, attention_m
     None where it does not apply: where the per-layer step would not, a cache other than a plain `DynamicCache`
     (static, offloaded, quantized, paged: the per-layer step then runs), output capture recording (it calls the layers),
     an attention-output Memory Layer, a mask or keyword the decode attention does not take."""
-    if (hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or type(cache) is not DynamicCache or model.training
-            or torch.is_grad_enabled() or hidden_states.device.type != "cpu"
-            or hidden_states.dtype not in _DECODE_ATTENTION_DTYPES or dispatcher_watched()
-            or not uses_fused(hidden_states) or getattr(cache, "offloading", True) or outputs_captured()
-            or any(kwargs.get(name) is not None for name in _NOT_FOR_DECODE_ATTENTION)):
-        return None
-    module = nn.modules.module
-    implementation = model.config._attn_implementation
-    if (module._global_forward_hooks or module._global_forward_pre_hooks
-            or getattr(DynamicLayer, "update", None) is not _LAYER_UPDATE or DynamicCache.update is not _CACHE_UPDATE
-            or not cache_grows_by_cat()
-            or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
-                ALL_ATTENTION_FUNCTIONS.get("sdpa"))):
+    if (type(cache) is not DynamicCache or dispatcher_watched() or not _stack_may_run(model, hidden_states, kwargs)
+            or getattr(cache, "offloading", True) or getattr(DynamicLayer, "update", None) is not _LAYER_UPDATE
+            or DynamicCache.update is not _CACHE_UPDATE or not cache_grows_by_cat()):
         return None
     batch, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     dtype = hidden_states.dtype
@@ -460,18 +468,9 @@ def decode_stack_traced(model: nn.Module, hidden_states: torch.Tensor, attention
     the reads); None where the layers' traced step or the modules run: where `decode_stack_step`'s conditions fail
     (bar the ones about tracing and the cache's class), a cache other than a plain `StaticCache` of `StaticLayer`s,
     int8 tables. A buffer with no position left is the op's error (the modules' `index_copy_` fails there too)."""
-    if (not torch.compiler.is_compiling() or not _STATIC_WRITES or hidden_states.dim() != 3
-            or hidden_states.shape[1] != 1 or type(cache) is not StaticCache or model.training
-            or torch.is_grad_enabled() or hidden_states.device.type != "cpu"
-            or hidden_states.dtype not in _DECODE_ATTENTION_DTYPES or not uses_fused(hidden_states)
-            or outputs_captured() or any(kwargs.get(name) is not None for name in _NOT_FOR_DECODE_ATTENTION)):
-        return None
-    module = nn.modules.module
-    implementation = model.config._attn_implementation
-    if (module._global_forward_hooks or module._global_forward_pre_hooks or StaticLayer.update is not _STATIC_UPDATE
-            or StaticCache.update is not _STATIC_CACHE_UPDATE
-            or (implementation != "sdpa" and ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None) is not
-                ALL_ATTENTION_FUNCTIONS.get("sdpa"))):
+    if (not torch.compiler.is_compiling() or not _STATIC_WRITES or type(cache) is not StaticCache
+            or not _stack_may_run(model, hidden_states, kwargs) or StaticLayer.update is not _STATIC_UPDATE
+            or StaticCache.update is not _STATIC_CACHE_UPDATE):
         return None
     batch, hidden, dtype = hidden_states.shape[0], hidden_states.shape[-1], hidden_states.dtype
     plan = _Plan(dtype, traced=True)

@@ -129,6 +129,11 @@ except ImportError:  # pragma: no cover
     DynamicLayer = None
 
 
+def _replaced(before: dict, after: dict) -> set:
+    """The attributes a call set to other objects or added, from an object's `vars` before and after it."""
+    return {name for name in before if before[name] is not after.get(name)} | (after.keys() - before.keys())
+
+
 @functools.cache
 def cache_grows_by_cat() -> bool:
     """Whether the running release's `DynamicLayer.update` stores `torch.cat([keys, new], dim=-2)` (and the same for
@@ -143,8 +148,8 @@ def cache_grows_by_cat() -> bool:
     except Exception:  # another interface: the model's own per-layer calls
         return False
     grown = torch.cat([first, new], dim=-2)
-    others = {name for name in before if before[name] is not after.get(name)} | (after.keys() - before.keys())
-    return (keys is after.get("keys") and values is after.get("values") and others == {"keys", "values"}
+    return (keys is after.get("keys") and values is after.get("values")
+            and _replaced(before, after) == {"keys", "values"}
             and torch.equal(keys, grown) and torch.equal(values, -grown))
 
 
@@ -170,10 +175,10 @@ def static_cache_writes_at_length() -> bool:
     except Exception:  # another interface: the model's own per-layer calls
         return False
     written = torch.cat([first, new, torch.zeros(1, 1, 2, 4)], dim=-2)
-    others = {name for name in before if before[name] is not after.get(name)} | (after.keys() - before.keys())
-    return (keys is keys_buffer and values is after.get("values") and not others and isinstance(length, torch.Tensor)
-            and after.get("cumulative_length") is length and length.numel() == 1 and length.dtype == torch.long
-            and int(length) == 2 and torch.equal(keys, written) and torch.equal(values, -written))
+    return (keys is keys_buffer and values is after.get("values") and not _replaced(before, after)
+            and isinstance(length, torch.Tensor) and after.get("cumulative_length") is length
+            and length.numel() == 1 and length.dtype == torch.long and int(length) == 2 and torch.equal(keys, written)
+            and torch.equal(values, -written))
 
 
 try:

@@ -745,7 +745,12 @@ at::Tensor hash_backward_op(const at::Tensor& grad_scores, const at::Tensor& x, 
 // per sequence) the columns are split too, so that every thread reads rows. A decode step is latency-bound: its few
 // hundred KB of scattered rows come from DRAM, and one core keeps only so many reads in flight, so a second core
 // reading the other half of each row nearly halves the time. The split starts from kTokenSplitBytes of rows per unit
-// (below it a thread's wake-up costs more than it saves) and keeps column ranges a multiple of kCols.
+// (below it a thread's wake-up costs more than it saves) and splits the columns evenly in whole vectors (kLanes): a
+// range's last span may be narrower than kCols (add_rows_span_order sums it in vectors too). Ranges of whole kCols
+// spans split MF-small's Memory Block layer 2 (768 columns, 3 spans) 512 / 256 and its Q/K/V 5 / 4 spans, so one
+// thread read up to twice the other's bytes while the other waited; on the 2-vCPU Zen 4 of
+// benchmarks/results/2026-11-29e-zen4 (timers inside decode_stack, the two splits alternating step by step in one
+// process) MF-small's lookups took 5.6% less time per step (625 -> 590 us, 5 windows of 300 steps).
 constexpr int64_t kTokenSplitBytes = 32 << 10;
 
 // Runs unit(n, cb, ce, rnext) over every (token n, column range [cb, ce)) unit, on the threads: rnext is the next
@@ -759,12 +764,12 @@ void for_token_units(const int64_t* rows, int64_t N, int64_t K, int64_t D, int64
   int64_t groups = 1;   // column ranges per token: enough units for every thread, none under kTokenSplitBytes
   if (N < threads && bytes >= 2 * kTokenSplitBytes)
     groups = std::min({(threads + N - 1) / N, spans, std::max<int64_t>(1, bytes / N / kTokenSplitBytes)});
-  const int64_t per_group = (spans + groups - 1) / groups;   // spans per column range
+  const int64_t per_group = ((D + kLanes - 1) / kLanes + groups - 1) / groups * kLanes;   // columns per range
   const int64_t units = N * groups;
   auto body = [=](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t n = u / groups, g = u % groups;
-      const int64_t cb = std::min(D, g * per_group * kCols), ce = std::min(D, (g + 1) * per_group * kCols);
+      const int64_t cb = std::min(D, g * per_group), ce = std::min(D, (g + 1) * per_group);
       if (cb < ce) unit(n, cb, ce, (groups == 1 && u + 1 < u1) ? rows + (n + 1) * K : nullptr);
     }
   };
@@ -864,43 +869,64 @@ inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const
 // Zen 4 of benchmarks/results/2026-11-29c-zen4).
 constexpr int64_t kNarrowSpans = 6, kRowsAhead = 4, kRowsFar = 12;
 
+// One span of V vectors at c0 of a unit [cb, ce) (V = kCols / kLanes but for a unit's narrower last span).
+template <int64_t V, typename T>
+inline void add_span_rows(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
+                          const float* s, int64_t K, int64_t c0, int64_t cb, int64_t ce) {
+  fVec acc[V];
+  for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t w = 0;
+    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsAhead)) prefetch_span(p, w);
+    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar)) prefetch_span<2>(p, w);
+    const T* t = tables + rn[k] * stride + c0;
+    const fVec sk(s[k]);
+    for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
+  }
+  for (int64_t i = 0; i < V; ++i) acc[i].store(sums + (c0 - cb) + i * kLanes);
+}
+
+// f(std::integral_constant<int64_t, v>) for a run-time v in [1, sizeof...(I)].
+template <typename F, int64_t... I>
+inline void with_vectors(int64_t v, F&& f, std::integer_sequence<int64_t, I...>) {
+  ((v == I + 1 ? (f(std::integral_constant<int64_t, I + 1>{}), 0) : 0), ...);
+}
+
+// [cb, ce): whole vectors, the spans kCols wide but the last.
 template <typename T>
 inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
                                 const float* s, int64_t K, int64_t cb, int64_t ce) {
-  constexpr int64_t V = kCols / kLanes;
-  for (int64_t k = 0; k < std::min(K, kRowsAhead); ++k) prefetch_span(tables + rn[k] * stride + cb, kCols);
-  for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
-    fVec acc[V];
-    for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
-    for (int64_t k = 0; k < K; ++k) {
-      int64_t w = 0;
-      if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsAhead)) prefetch_span(p, w);
-      if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar)) prefetch_span<2>(p, w);
-      const T* t = tables + rn[k] * stride + c0;
-      const fVec sk(s[k]);
-      for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
-    }
-    for (int64_t i = 0; i < V; ++i) acc[i].store(sums + (c0 - cb) + i * kLanes);
-  }
+  for (int64_t k = 0; k < std::min(K, kRowsAhead); ++k)
+    prefetch_span(tables + rn[k] * stride + cb, std::min(kCols, ce - cb));
+  int64_t c0 = cb;
+  for (; c0 + kCols <= ce; c0 += kCols) add_span_rows<kCols / kLanes>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
+  if (c0 < ce)
+    with_vectors((ce - c0) / kLanes, [&](auto v) {
+      add_span_rows<decltype(v)::value>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
+    }, std::make_integer_sequence<int64_t, kCols / kLanes>{});
 }
 
-// The whole spans of a unit [cb, ce), for lookup_kernel and the int8 pass: a thread's buffer of
-// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked or,
-// for a narrow unit, add_rows_span_order (the next token's rows prefetched only where no ragged span follows, which
-// reads them itself), handed to finish(sums, w), w = the whole spans' width. Returns where a ragged last span starts
-// (ce where there is none).
+// The whole vectors of a unit [cb, ce), for lookup_kernel and the int8 pass: a thread's buffer of
+// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked
+// (its whole spans, the narrower rest in the span order) or, for a narrow unit, add_rows_span_order (the next token's
+// rows prefetched only where no ragged columns follow, which read them themselves), handed to finish(sums, w), w = the
+// whole vectors' width. Returns where the ragged last columns (fewer than kLanes) start (ce where there are none).
 template <typename T, typename Start, typename Finish>
-int64_t sum_whole_spans(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
+int64_t sum_whole_vectors(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
                         int64_t K, int64_t cb, int64_t ce, Start start, Finish finish) {
-  const int64_t whole = cb + (ce - cb) / kCols * kCols;
+  const int64_t spans = cb + (ce - cb) / kCols * kCols, whole = cb + (ce - cb) / kLanes * kLanes;
   if (whole == cb) return cb;
   static thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < whole - cb) buffer.resize(whole - cb);
   float* sums = buffer.data();
   start(sums, whole - cb);
   const int64_t* next = whole == ce ? rnext : nullptr;
-  if ((whole - cb) / kCols <= kNarrowSpans) add_rows_span_order(sums, tables, stride, rn, next, s, K, cb, whole);
-  else add_rows_blocked(sums, tables, stride, rn, next, s, K, cb, whole);
+  if ((spans - cb) / kCols <= kNarrowSpans) {
+    add_rows_span_order(sums, tables, stride, rn, next, s, K, cb, whole);
+  } else {
+    add_rows_blocked(sums, tables, stride, rn, spans == whole ? next : nullptr, s, K, cb, spans);
+    if (spans < whole) add_rows_span_order(sums + (spans - cb), tables, stride, rn, next, s, K, spans, whole);
+  }
   finish(static_cast<const float*>(sums), whole - cb);
   return whole;
 }
@@ -914,14 +940,14 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     const A* sn = scores + n * K;
     int64_t c0 = cb;
     if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order, from the bias (or 0)
-      c0 = sum_whole_spans(tables, D, rn, rnext, sn, K, cb, ce, [&](float* sums, int64_t w) {
+      c0 = sum_whole_vectors(tables, D, rn, rnext, sn, K, cb, ce, [&](float* sums, int64_t w) {
         for (int64_t j = 0; j < w; j += kLanes) (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
       }, [&](const float* sums, int64_t w) {
         T* o = out + n * D + cb;   // accumulated in float32, stored in the tables' dtype
         for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(sums[j]);
       });
     }
-    // A ragged last span (and float64 tables): the rows' spans summed one span at a time, as scalars.
+    // The ragged last columns (fewer than kLanes; all of a float64 table's): summed one span at a time, as scalars.
     if (c0 < ce)
       for (int64_t k = 0; k < K; ++k) prefetch_span(tables + rn[k] * D + c0, std::min(kCols, ce - c0));
     for (; c0 < ce; c0 += kCols) {
@@ -1785,9 +1811,9 @@ constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (on
 
 // Token-major, as lookup_kernel: per token and column, the sums start from bias + the token's offset and add
 // w_k * float(q_k) over its K rows in table order, the units split over the threads as for_token_units says. The
-// whole spans take lookup_kernel's row-block order (add_rows_blocked: vector sums, the codes widened in registers by
-// load_floats, a zero-extension and a conversion per vector); a ragged last span is a plain loop over
-// kInt8Rows rows per pass that the compiler vectorises, with the same bits. FBGEMM's JIT kernel takes fewer
+// whole vectors take lookup_kernel's orders (sum_whole_vectors: vector sums, the codes widened in registers by
+// load_floats, a zero-extension and a conversion per vector); the ragged last columns (fewer than kLanes) are a plain
+// loop over kInt8Rows rows per pass, with the same bits. FBGEMM's JIT kernel takes fewer
 // instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
 // dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
 // and dropped are in docs/kernel.md.
@@ -1812,9 +1838,9 @@ void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* 
     if (static_cast<int64_t>(token_weights.size()) < K) token_weights.resize(K);
     float* wn = token_weights.data();
     const float off = int8_token_weights(rn, scores + n * K, packed, K, D, wn);
-    // Whole spans: the bf16 pass's row-block order (sum_whole_spans), the sums from off + bias, row by row in table
-    // order (the ragged loop's bits).
-    const int64_t ragged = sum_whole_spans(packed, W, rn, rnext, wn, K, cb, ce, [&](float* sums, int64_t w) {
+    // Whole vectors: the bf16 pass's orders (sum_whole_vectors), the sums from off + bias, row by row in table order
+    // (the ragged loop's bits).
+    const int64_t ragged = sum_whole_vectors(packed, W, rn, rnext, wn, K, cb, ce, [&](float* sums, int64_t w) {
       for (int64_t j = 0; j < w; j += kLanes)
         (fVec(off) + (bias ? fVec::loadu(bias + cb + j) : fVec(0.f))).store(sums + j);
     }, [&](const float* sums, int64_t w) { std::memcpy(out + n * D + cb, sums, w * sizeof(float)); });
@@ -2354,13 +2380,26 @@ inline void dot_keys(const float* qf, const T* k, int64_t k_step, int64_t D, flo
   }
 }
 
+// Where a head's pass reads next, `ahead` values on (0: nothing to prefetch): its keys [0, span), then its values
+// [span, 2 span), then the next head's keys (`next_k`, or none) [2 span, 3 span); span = the head's kept positions
+// times D (dense keys and values: position stride D).
+template <typename T>
+inline void prefetch_pass(const T* k, const T* v, const T* next_k, int64_t span, int64_t at, int64_t w) {
+  if (at < span) prefetch_span(k + at, w);
+  else if (at < 2 * span) prefetch_span(v + (at - span), w);
+  else if (next_k != nullptr && at < 3 * span) prefetch_span(next_k + (at - 2 * span), w);
+}
+
 // acc[0, V * kLanes) = sum_t p[t] v_t (key order, zero weights skipped) in V vector registers; the same
-// multiply-adds, in the same order, as a sum held in memory.
+// multiply-adds, in the same order, as a sum held in memory. ahead > 0: the pass's reads `ahead` values on are
+// prefetched (prefetch_pass, the values at offset span).
 template <typename T, int V>
-void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* acc) {
+void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* acc, int64_t ahead, int64_t span,
+               const T* next_k) {
   RawVec a[V];
   for (int i = 0; i < V; ++i) a[i] = raw_vec(fVec(0.0f));
   for (int64_t t = 0; t < Tn; ++t) {
+    if (ahead > 0) prefetch_pass<T>(nullptr, v, next_k, span, span + t * v_step + ahead, v_step);
     if (p[t] == 0.f) continue;
     const T* vt = v + t * v_step;
     const fVec pv(p[t]);
@@ -2372,18 +2411,25 @@ void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* ac
 // One (sequence, head): scores into s[T] (kKeyBlock keys at a time, a block whose keys are all masked out skipped; a
 // masked-out key's score is -inf), their exponentials in place, then the weighted value sum into acc[D] (both float32
 // scratch): whole vectors in registers for a head of up to 8 vectors, in memory beyond, the ragged columns last.
+// ahead > 0 (keys and values dense, position stride D): the reads `ahead` values on are prefetched as the passes go,
+// the keys up to the last kept position, then the values, then the next head's keys (`next_k`, or none).
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
                           float scaling, const bool* keep, const float* add, float* qf, float* s, float* acc,
-                          T* out) {
+                          T* out, int64_t ahead, const T* next_k) {
   constexpr int64_t L = kLanes;
   const int64_t Dv = D - D % L;
   for (int64_t j = 0; j < D; ++j) qf[j] = float(q[j]);
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   float m = kMinusInf;
+  int64_t kept = Tn;   // positions up to the last kept one: the rest of a static cache is never read
+  if (keep && ahead > 0)
+    while (kept > 0 && !keep[kept - 1]) --kept;
+  const int64_t span = kept * D;
   int64_t t = 0;
   // A block of masked-out keys (a static cache's unused end) costs no read.
   for (; t + kKeyBlock <= Tn; t += kKeyBlock) {
+    if (ahead > 0) prefetch_pass(k, v, next_k, span, t * D + ahead, kKeyBlock * D);
     if (keep && !(keep[t] || keep[t + 1] || keep[t + 2] || keep[t + 3])) continue;
     dot_keys(qf, k + t * k_step, k_step, D, s + t);
   }
@@ -2412,17 +2458,18 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
   for (t = 0; t < Tn; ++t) total += s[t];   // an exact zero adds nothing: masked keys cost no value read
   switch (Dv / L) {
     case 0: break;
-    case 1: value_sum<T, 1>(v, v_step, s, Tn, acc); break;
-    case 2: value_sum<T, 2>(v, v_step, s, Tn, acc); break;
-    case 3: value_sum<T, 3>(v, v_step, s, Tn, acc); break;
-    case 4: value_sum<T, 4>(v, v_step, s, Tn, acc); break;
-    case 5: value_sum<T, 5>(v, v_step, s, Tn, acc); break;
-    case 6: value_sum<T, 6>(v, v_step, s, Tn, acc); break;
-    case 7: value_sum<T, 7>(v, v_step, s, Tn, acc); break;
-    case 8: value_sum<T, 8>(v, v_step, s, Tn, acc); break;
+    case 1: value_sum<T, 1>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 2: value_sum<T, 2>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 3: value_sum<T, 3>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 4: value_sum<T, 4>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 5: value_sum<T, 5>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 6: value_sum<T, 6>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 7: value_sum<T, 7>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 8: value_sum<T, 8>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
     default:
       for (int64_t j = 0; j < Dv; ++j) acc[j] = 0.f;
       for (t = 0; t < Tn; ++t) {
+        if (ahead > 0) prefetch_pass<T>(nullptr, v, next_k, span, span + t * v_step + ahead, v_step);
         if (s[t] == 0.f) continue;
         const T* vt = v + t * v_step;
         const fVec pv(s[t]);
@@ -2451,27 +2498,33 @@ constexpr int64_t kAttentionSerialWork = 1 << 14;
 // The decode attention of B sequences x H query heads (Hkv key/value heads, H a multiple of it) over Tn positions,
 // from pointers and element strides (q [B, H, D] by q_b and q_h; k and v [B, Hkv, Tn, D] by their batch, head and
 // position strides; keep and add [B * H, Tn] or null), out [B, H, D] contiguous: decode_attention_row per (b, h),
-// over the threads where the work is worth it. A thread first prefetches the keys and values of its rows (each a
-// span of Tn * D values where the positions are dense): cold after the LM head's stream, they then arrive together
-// instead of one head's after another's.
+// over the threads where the work is worth it. Keys and values are cold after the LM head's stream; where the
+// positions are dense, each pass prefetches kAttentionAhead bytes ahead of its reads (keys, then values, then the
+// thread's next head's keys: decode_attention_row), so the reads overlap the sums. A thread used to prefetch all its
+// heads' keys and values first (a static cache's whole buffer too): the prefetches stalled on the full miss buffers
+// and the sums then ran after them. On the 2-vCPU Zen 4 of benchmarks/results/2026-11-29e-zen4, timers inside
+// decode_stack around the attention, variants alternating step by step in one process (MF-small bf16, 128 to 384
+// cached positions), per step: all first 430-449 us, no prefetch 377-386 us; then no prefetch 352-375, 2 KB ahead
+// 316-343, 6 KB 310-327; then 6 KB 322-346, 12 KB 334-355, 24 KB 347-369.
+constexpr int64_t kAttentionAhead = 6 << 10;
+
 template <typename T>
 void decode_attention_rows(const T* qp, int64_t q_b, int64_t q_h, const T* kp, int64_t k_b, int64_t k_h, int64_t k_t,
                            const T* vp, int64_t v_b, int64_t v_h, int64_t v_t, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t Tn, float scale, const bool* keep_p, const float* add_p, T* out) {
   const int64_t group = H / Hkv;
+  const int64_t ahead = k_t == D && v_t == D ? kAttentionAhead / int64_t(sizeof(T)) : 0;
+  const auto keys = [&](int64_t r) { return kp + (r / H) * k_b + ((r % H) / group) * k_h; };
   const auto body = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r % group != 0 && r != r0) continue;   // a key/value head shared by the query heads of its group
-      const int64_t b = r / H, hk = (r % H) / group;
-      if (k_t == D) prefetch_span(kp + b * k_b + hk * k_h, Tn * D);
-      if (v_t == D) prefetch_span(vp + b * v_b + hk * v_h, Tn * D);
-    }
+    if (ahead > 0) prefetch_span(keys(r0), std::min(Tn * D, ahead));   // the first head's first keys
     std::vector<float> scratch(2 * D + Tn);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / H, h = r % H, hk = h / group;
-      decode_attention_row<T>(qp + b * q_b + h * q_h, kp + b * k_b + hk * k_h, vp + b * v_b + hk * v_h, k_t, v_t, D,
+      const T* next_k = r + 1 < r1 && (r + 1) % group == 0 ? keys(r + 1) : nullptr;   // a new key/value head next
+      decode_attention_row<T>(qp + b * q_b + h * q_h, keys(r), vp + b * v_b + hk * v_h, k_t, v_t, D,
                               Tn, scale, keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
-                              scratch.data(), scratch.data() + D + D, scratch.data() + D, out + (b * H + h) * D);
+                              scratch.data(), scratch.data() + D + D, scratch.data() + D, out + (b * H + h) * D,
+                              ahead, next_k);
     }
   };
   if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);

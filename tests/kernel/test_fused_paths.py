@@ -96,7 +96,7 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
 )
 def test_token_kernel_splits_columns_over_threads_with_the_same_bits(n, num_tables, hash_bits, out_features, dtype):
     """Fewer tokens than threads (a decode step): the token-major pass splits each token's columns over the threads
-    (ranges of whole register spans, the last one ragged). Each column is summed over the same rows in the same order
+    (even ranges of whole vectors, the last one ragged). Each column is summed over the same rows in the same order
     whatever the split, so 1, 2, 3 and 5 threads give the same bits, and the float64 oracle holds."""
     rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype)
     before = torch.get_num_threads()
@@ -145,13 +145,17 @@ def test_token_kernel_sums_rows_in_order_in_float32_in_whole_and_ragged_spans(n,
 
 @pytest.mark.parametrize("num_tables", [1, 2, 3, 5, 13])
 @pytest.mark.parametrize("n, out_features", [(1, 600), (3, 512), (2, 776), (2, 160), (3, 192), (1, 3072), (2, 1536),
-                                             (1, 384), (2, 448)])
+                                             (1, 384), (2, 448), (1, 768), (1, 960), (1, 3616), (2, 3616)])
 def test_token_kernel_sums_few_rows_in_narrow_units_in_order(n, out_features, num_tables):
     """A unit of at most 6 whole spans per row (spans of 256 columns with AVX-512, 64 with AVX2: the widths here give
     units of 1-7 spans under either, 6 at 3072 and 1536 columns on 1-2 threads under AVX-512, at 384 under AVX2, 7 at
     448) is summed span by span over all K rows, the rows 4 and 12 ahead prefetched: past the last row the next span's
     first rows, then the next token's, which must stay within the K rows there are when K is smaller than the
-    distance. The float32 sums are still taken row by row in table order, bit for bit, on 1, 2 and 3 threads."""
+    distance. The threads split a token's columns evenly in whole vectors, so a unit's last span can be narrower than
+    the others (768 and 960 columns on 2 threads under AVX-512: 1.5 and 1.875 spans per unit), and a wide unit sums
+    its whole spans in the row-block order and its narrower rest in the span order (3616 columns: 14 spans and 2
+    vectors under AVX-512, 7 spans and a vector per unit on 2 threads; 960 on 2 threads under AVX2: 7.5 spans). The
+    float32 sums are still taken row by row in table order, bit for bit, on 1, 2 and 3 threads."""
     rows, scores, tables, bias = hashed_inputs(n, num_tables, 4, out_features, torch.bfloat16, seed=5)
     before = torch.get_num_threads()
     results = []

@@ -47,13 +47,26 @@ inline void dot_keys(const float* qf, const T* k, int64_t k_step, int64_t D, flo
   }
 }
 
+// Where a head's pass reads next, `ahead` values on (0: nothing to prefetch): its keys [0, span), then its values
+// [span, 2 span), then the next head's keys (`next_k`, or none) [2 span, 3 span); span = the head's kept positions
+// times D (dense keys and values: position stride D).
+template <typename T>
+inline void prefetch_pass(const T* k, const T* v, const T* next_k, int64_t span, int64_t at, int64_t w) {
+  if (at < span) prefetch_span(k + at, w);
+  else if (at < 2 * span) prefetch_span(v + (at - span), w);
+  else if (next_k != nullptr && at < 3 * span) prefetch_span(next_k + (at - 2 * span), w);
+}
+
 // acc[0, V * kLanes) = sum_t p[t] v_t (key order, zero weights skipped) in V vector registers; the same
-// multiply-adds, in the same order, as a sum held in memory.
+// multiply-adds, in the same order, as a sum held in memory. ahead > 0: the pass's reads `ahead` values on are
+// prefetched (prefetch_pass, the values at offset span).
 template <typename T, int V>
-void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* acc) {
+void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* acc, int64_t ahead, int64_t span,
+               const T* next_k) {
   RawVec a[V];
   for (int i = 0; i < V; ++i) a[i] = raw_vec(fVec(0.0f));
   for (int64_t t = 0; t < Tn; ++t) {
+    if (ahead > 0) prefetch_pass<T>(nullptr, v, next_k, span, span + t * v_step + ahead, v_step);
     if (p[t] == 0.f) continue;
     const T* vt = v + t * v_step;
     const fVec pv(p[t]);
@@ -65,18 +78,25 @@ void value_sum(const T* v, int64_t v_step, const float* p, int64_t Tn, float* ac
 // One (sequence, head): scores into s[T] (kKeyBlock keys at a time, a block whose keys are all masked out skipped; a
 // masked-out key's score is -inf), their exponentials in place, then the weighted value sum into acc[D] (both float32
 // scratch): whole vectors in registers for a head of up to 8 vectors, in memory beyond, the ragged columns last.
+// ahead > 0 (keys and values dense, position stride D): the reads `ahead` values on are prefetched as the passes go,
+// the keys up to the last kept position, then the values, then the next head's keys (`next_k`, or none).
 template <typename T>
 void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, int64_t D, int64_t Tn,
                           float scaling, const bool* keep, const float* add, float* qf, float* s, float* acc,
-                          T* out) {
+                          T* out, int64_t ahead, const T* next_k) {
   constexpr int64_t L = kLanes;
   const int64_t Dv = D - D % L;
   for (int64_t j = 0; j < D; ++j) qf[j] = float(q[j]);
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   float m = kMinusInf;
+  int64_t kept = Tn;   // positions up to the last kept one: the rest of a static cache is never read
+  if (keep && ahead > 0)
+    while (kept > 0 && !keep[kept - 1]) --kept;
+  const int64_t span = kept * D;
   int64_t t = 0;
   // A block of masked-out keys (a static cache's unused end) costs no read.
   for (; t + kKeyBlock <= Tn; t += kKeyBlock) {
+    if (ahead > 0) prefetch_pass(k, v, next_k, span, t * D + ahead, kKeyBlock * D);
     if (keep && !(keep[t] || keep[t + 1] || keep[t + 2] || keep[t + 3])) continue;
     dot_keys(qf, k + t * k_step, k_step, D, s + t);
   }
@@ -105,17 +125,18 @@ void decode_attention_row(const T* q, const T* k, const T* v, int64_t k_step, in
   for (t = 0; t < Tn; ++t) total += s[t];   // an exact zero adds nothing: masked keys cost no value read
   switch (Dv / L) {
     case 0: break;
-    case 1: value_sum<T, 1>(v, v_step, s, Tn, acc); break;
-    case 2: value_sum<T, 2>(v, v_step, s, Tn, acc); break;
-    case 3: value_sum<T, 3>(v, v_step, s, Tn, acc); break;
-    case 4: value_sum<T, 4>(v, v_step, s, Tn, acc); break;
-    case 5: value_sum<T, 5>(v, v_step, s, Tn, acc); break;
-    case 6: value_sum<T, 6>(v, v_step, s, Tn, acc); break;
-    case 7: value_sum<T, 7>(v, v_step, s, Tn, acc); break;
-    case 8: value_sum<T, 8>(v, v_step, s, Tn, acc); break;
+    case 1: value_sum<T, 1>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 2: value_sum<T, 2>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 3: value_sum<T, 3>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 4: value_sum<T, 4>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 5: value_sum<T, 5>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 6: value_sum<T, 6>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 7: value_sum<T, 7>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
+    case 8: value_sum<T, 8>(v, v_step, s, Tn, acc, ahead, span, next_k); break;
     default:
       for (int64_t j = 0; j < Dv; ++j) acc[j] = 0.f;
       for (t = 0; t < Tn; ++t) {
+        if (ahead > 0) prefetch_pass<T>(nullptr, v, next_k, span, span + t * v_step + ahead, v_step);
         if (s[t] == 0.f) continue;
         const T* vt = v + t * v_step;
         const fVec pv(s[t]);
@@ -144,27 +165,33 @@ constexpr int64_t kAttentionSerialWork = 1 << 14;
 // The decode attention of B sequences x H query heads (Hkv key/value heads, H a multiple of it) over Tn positions,
 // from pointers and element strides (q [B, H, D] by q_b and q_h; k and v [B, Hkv, Tn, D] by their batch, head and
 // position strides; keep and add [B * H, Tn] or null), out [B, H, D] contiguous: decode_attention_row per (b, h),
-// over the threads where the work is worth it. A thread first prefetches the keys and values of its rows (each a
-// span of Tn * D values where the positions are dense): cold after the LM head's stream, they then arrive together
-// instead of one head's after another's.
+// over the threads where the work is worth it. Keys and values are cold after the LM head's stream; where the
+// positions are dense, each pass prefetches kAttentionAhead bytes ahead of its reads (keys, then values, then the
+// thread's next head's keys: decode_attention_row), so the reads overlap the sums. A thread used to prefetch all its
+// heads' keys and values first (a static cache's whole buffer too): the prefetches stalled on the full miss buffers
+// and the sums then ran after them. On the 2-vCPU Zen 4 of benchmarks/results/2026-11-29e-zen4, timers inside
+// decode_stack around the attention, variants alternating step by step in one process (MF-small bf16, 128 to 384
+// cached positions), per step: all first 430-449 us, no prefetch 377-386 us; then no prefetch 352-375, 2 KB ahead
+// 316-343, 6 KB 310-327; then 6 KB 322-346, 12 KB 334-355, 24 KB 347-369.
+constexpr int64_t kAttentionAhead = 6 << 10;
+
 template <typename T>
 void decode_attention_rows(const T* qp, int64_t q_b, int64_t q_h, const T* kp, int64_t k_b, int64_t k_h, int64_t k_t,
                            const T* vp, int64_t v_b, int64_t v_h, int64_t v_t, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t Tn, float scale, const bool* keep_p, const float* add_p, T* out) {
   const int64_t group = H / Hkv;
+  const int64_t ahead = k_t == D && v_t == D ? kAttentionAhead / int64_t(sizeof(T)) : 0;
+  const auto keys = [&](int64_t r) { return kp + (r / H) * k_b + ((r % H) / group) * k_h; };
   const auto body = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r % group != 0 && r != r0) continue;   // a key/value head shared by the query heads of its group
-      const int64_t b = r / H, hk = (r % H) / group;
-      if (k_t == D) prefetch_span(kp + b * k_b + hk * k_h, Tn * D);
-      if (v_t == D) prefetch_span(vp + b * v_b + hk * v_h, Tn * D);
-    }
+    if (ahead > 0) prefetch_span(keys(r0), std::min(Tn * D, ahead));   // the first head's first keys
     std::vector<float> scratch(2 * D + Tn);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / H, h = r % H, hk = h / group;
-      decode_attention_row<T>(qp + b * q_b + h * q_h, kp + b * k_b + hk * k_h, vp + b * v_b + hk * v_h, k_t, v_t, D,
+      const T* next_k = r + 1 < r1 && (r + 1) % group == 0 ? keys(r + 1) : nullptr;   // a new key/value head next
+      decode_attention_row<T>(qp + b * q_b + h * q_h, keys(r), vp + b * v_b + hk * v_h, k_t, v_t, D,
                               Tn, scale, keep_p ? keep_p + r * Tn : nullptr, add_p ? add_p + r * Tn : nullptr,
-                              scratch.data(), scratch.data() + D + D, scratch.data() + D, out + (b * H + h) * D);
+                              scratch.data(), scratch.data() + D + D, scratch.data() + D, out + (b * H + h) * D,
+                              ahead, next_k);
     }
   };
   if (B * H * Tn * D * 2 < kAttentionSerialWork || B * H == 1 || at::get_num_threads() == 1) body(0, B * H);

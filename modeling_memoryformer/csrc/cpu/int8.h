@@ -45,9 +45,9 @@ constexpr int64_t kInt8Rows = 4;   // rows added per pass over a span's sums (on
 
 // Token-major, as lookup_kernel: per token and column, the sums start from bias + the token's offset and add
 // w_k * float(q_k) over its K rows in table order, the units split over the threads as for_token_units says. The
-// whole spans take lookup_kernel's row-block order (add_rows_blocked: vector sums, the codes widened in registers by
-// load_floats, a zero-extension and a conversion per vector); a ragged last span is a plain loop over
-// kInt8Rows rows per pass that the compiler vectorises, with the same bits. FBGEMM's JIT kernel takes fewer
+// whole vectors take lookup_kernel's orders (sum_whole_vectors: vector sums, the codes widened in registers by
+// load_floats, a zero-extension and a conversion per vector); the ragged last columns (fewer than kLanes) are a plain
+// loop over kInt8Rows rows per pass, with the same bits. FBGEMM's JIT kernel takes fewer
 // instructions per code on many tokens, so quantization.py uses it beyond a few tokens; at one token the rows' reads
 // dominate and this pass, which issues them at once with no per-call setup, is the faster one. The alternatives tried
 // and dropped are in docs/kernel.md.
@@ -72,9 +72,9 @@ void int8_lookup_token(const int64_t* rows, const float* scores, const uint8_t* 
     if (static_cast<int64_t>(token_weights.size()) < K) token_weights.resize(K);
     float* wn = token_weights.data();
     const float off = int8_token_weights(rn, scores + n * K, packed, K, D, wn);
-    // Whole spans: the bf16 pass's row-block order (sum_whole_spans), the sums from off + bias, row by row in table
-    // order (the ragged loop's bits).
-    const int64_t ragged = sum_whole_spans(packed, W, rn, rnext, wn, K, cb, ce, [&](float* sums, int64_t w) {
+    // Whole vectors: the bf16 pass's orders (sum_whole_vectors), the sums from off + bias, row by row in table order
+    // (the ragged loop's bits).
+    const int64_t ragged = sum_whole_vectors(packed, W, rn, rnext, wn, K, cb, ce, [&](float* sums, int64_t w) {
       for (int64_t j = 0; j < w; j += kLanes)
         (fVec(off) + (bias ? fVec::loadu(bias + cb + j) : fVec(0.f))).store(sums + j);
     }, [&](const float* sums, int64_t w) { std::memcpy(out + n * D + cb, sums, w * sizeof(float)); });

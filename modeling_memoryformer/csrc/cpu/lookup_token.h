@@ -11,7 +11,12 @@
 // per sequence) the columns are split too, so that every thread reads rows. A decode step is latency-bound: its few
 // hundred KB of scattered rows come from DRAM, and one core keeps only so many reads in flight, so a second core
 // reading the other half of each row nearly halves the time. The split starts from kTokenSplitBytes of rows per unit
-// (below it a thread's wake-up costs more than it saves) and keeps column ranges a multiple of kCols.
+// (below it a thread's wake-up costs more than it saves) and splits the columns evenly in whole vectors (kLanes): a
+// range's last span may be narrower than kCols (add_rows_span_order sums it in vectors too). Ranges of whole kCols
+// spans split MF-small's Memory Block layer 2 (768 columns, 3 spans) 512 / 256 and its Q/K/V 5 / 4 spans, so one
+// thread read up to twice the other's bytes while the other waited; on the 2-vCPU Zen 4 of
+// benchmarks/results/2026-11-29e-zen4 (timers inside decode_stack, the two splits alternating step by step in one
+// process) MF-small's lookups took 5.6% less time per step (625 -> 590 us, 5 windows of 300 steps).
 constexpr int64_t kTokenSplitBytes = 32 << 10;
 
 // Runs unit(n, cb, ce, rnext) over every (token n, column range [cb, ce)) unit, on the threads: rnext is the next
@@ -25,12 +30,12 @@ void for_token_units(const int64_t* rows, int64_t N, int64_t K, int64_t D, int64
   int64_t groups = 1;   // column ranges per token: enough units for every thread, none under kTokenSplitBytes
   if (N < threads && bytes >= 2 * kTokenSplitBytes)
     groups = std::min({(threads + N - 1) / N, spans, std::max<int64_t>(1, bytes / N / kTokenSplitBytes)});
-  const int64_t per_group = (spans + groups - 1) / groups;   // spans per column range
+  const int64_t per_group = ((D + kLanes - 1) / kLanes + groups - 1) / groups * kLanes;   // columns per range
   const int64_t units = N * groups;
   auto body = [=](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t n = u / groups, g = u % groups;
-      const int64_t cb = std::min(D, g * per_group * kCols), ce = std::min(D, (g + 1) * per_group * kCols);
+      const int64_t cb = std::min(D, g * per_group), ce = std::min(D, (g + 1) * per_group);
       if (cb < ce) unit(n, cb, ce, (groups == 1 && u + 1 < u1) ? rows + (n + 1) * K : nullptr);
     }
   };
@@ -130,43 +135,64 @@ inline void add_rows_blocked(float* sums, const T* tables, int64_t stride, const
 // Zen 4 of benchmarks/results/2026-11-29c-zen4).
 constexpr int64_t kNarrowSpans = 6, kRowsAhead = 4, kRowsFar = 12;
 
+// One span of V vectors at c0 of a unit [cb, ce) (V = kCols / kLanes but for a unit's narrower last span).
+template <int64_t V, typename T>
+inline void add_span_rows(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
+                          const float* s, int64_t K, int64_t c0, int64_t cb, int64_t ce) {
+  fVec acc[V];
+  for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
+  for (int64_t k = 0; k < K; ++k) {
+    int64_t w = 0;
+    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsAhead)) prefetch_span(p, w);
+    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar)) prefetch_span<2>(p, w);
+    const T* t = tables + rn[k] * stride + c0;
+    const fVec sk(s[k]);
+    for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
+  }
+  for (int64_t i = 0; i < V; ++i) acc[i].store(sums + (c0 - cb) + i * kLanes);
+}
+
+// f(std::integral_constant<int64_t, v>) for a run-time v in [1, sizeof...(I)].
+template <typename F, int64_t... I>
+inline void with_vectors(int64_t v, F&& f, std::integer_sequence<int64_t, I...>) {
+  ((v == I + 1 ? (f(std::integral_constant<int64_t, I + 1>{}), 0) : 0), ...);
+}
+
+// [cb, ce): whole vectors, the spans kCols wide but the last.
 template <typename T>
 inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext,
                                 const float* s, int64_t K, int64_t cb, int64_t ce) {
-  constexpr int64_t V = kCols / kLanes;
-  for (int64_t k = 0; k < std::min(K, kRowsAhead); ++k) prefetch_span(tables + rn[k] * stride + cb, kCols);
-  for (int64_t c0 = cb; c0 < ce; c0 += kCols) {
-    fVec acc[V];
-    for (int64_t i = 0; i < V; ++i) acc[i] = fVec::loadu(sums + (c0 - cb) + i * kLanes);
-    for (int64_t k = 0; k < K; ++k) {
-      int64_t w = 0;
-      if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsAhead)) prefetch_span(p, w);
-      if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar)) prefetch_span<2>(p, w);
-      const T* t = tables + rn[k] * stride + c0;
-      const fVec sk(s[k]);
-      for (int64_t i = 0; i < V; ++i) acc[i] = acc[i] + sk * load_floats(t + i * kLanes);
-    }
-    for (int64_t i = 0; i < V; ++i) acc[i].store(sums + (c0 - cb) + i * kLanes);
-  }
+  for (int64_t k = 0; k < std::min(K, kRowsAhead); ++k)
+    prefetch_span(tables + rn[k] * stride + cb, std::min(kCols, ce - cb));
+  int64_t c0 = cb;
+  for (; c0 + kCols <= ce; c0 += kCols) add_span_rows<kCols / kLanes>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
+  if (c0 < ce)
+    with_vectors((ce - c0) / kLanes, [&](auto v) {
+      add_span_rows<decltype(v)::value>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
+    }, std::make_integer_sequence<int64_t, kCols / kLanes>{});
 }
 
-// The whole spans of a unit [cb, ce), for lookup_kernel and the int8 pass: a thread's buffer of
-// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked or,
-// for a narrow unit, add_rows_span_order (the next token's rows prefetched only where no ragged span follows, which
-// reads them itself), handed to finish(sums, w), w = the whole spans' width. Returns where a ragged last span starts
-// (ce where there is none).
+// The whole vectors of a unit [cb, ce), for lookup_kernel and the int8 pass: a thread's buffer of
+// float sums (grown to the widest unit seen, then reused), started by start(sums, w), summed by add_rows_blocked
+// (its whole spans, the narrower rest in the span order) or, for a narrow unit, add_rows_span_order (the next token's
+// rows prefetched only where no ragged columns follow, which read them themselves), handed to finish(sums, w), w = the
+// whole vectors' width. Returns where the ragged last columns (fewer than kLanes) start (ce where there are none).
 template <typename T, typename Start, typename Finish>
-int64_t sum_whole_spans(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
+int64_t sum_whole_vectors(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
                         int64_t K, int64_t cb, int64_t ce, Start start, Finish finish) {
-  const int64_t whole = cb + (ce - cb) / kCols * kCols;
+  const int64_t spans = cb + (ce - cb) / kCols * kCols, whole = cb + (ce - cb) / kLanes * kLanes;
   if (whole == cb) return cb;
   static thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < whole - cb) buffer.resize(whole - cb);
   float* sums = buffer.data();
   start(sums, whole - cb);
   const int64_t* next = whole == ce ? rnext : nullptr;
-  if ((whole - cb) / kCols <= kNarrowSpans) add_rows_span_order(sums, tables, stride, rn, next, s, K, cb, whole);
-  else add_rows_blocked(sums, tables, stride, rn, next, s, K, cb, whole);
+  if ((spans - cb) / kCols <= kNarrowSpans) {
+    add_rows_span_order(sums, tables, stride, rn, next, s, K, cb, whole);
+  } else {
+    add_rows_blocked(sums, tables, stride, rn, spans == whole ? next : nullptr, s, K, cb, spans);
+    if (spans < whole) add_rows_span_order(sums + (spans - cb), tables, stride, rn, next, s, K, spans, whole);
+  }
   finish(static_cast<const float*>(sums), whole - cb);
   return whole;
 }
@@ -180,14 +206,14 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     const A* sn = scores + n * K;
     int64_t c0 = cb;
     if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order, from the bias (or 0)
-      c0 = sum_whole_spans(tables, D, rn, rnext, sn, K, cb, ce, [&](float* sums, int64_t w) {
+      c0 = sum_whole_vectors(tables, D, rn, rnext, sn, K, cb, ce, [&](float* sums, int64_t w) {
         for (int64_t j = 0; j < w; j += kLanes) (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
       }, [&](const float* sums, int64_t w) {
         T* o = out + n * D + cb;   // accumulated in float32, stored in the tables' dtype
         for (int64_t j = 0; j < w; ++j) o[j] = static_cast<T>(sums[j]);
       });
     }
-    // A ragged last span (and float64 tables): the rows' spans summed one span at a time, as scalars.
+    // The ragged last columns (fewer than kLanes; all of a float64 table's): summed one span at a time, as scalars.
     if (c0 < ce)
       for (int64_t k = 0; k < K; ++k) prefetch_span(tables + rn[k] * D + c0, std::min(kCols, ce - c0));
     for (; c0 < ce; c0 += kCols) {

@@ -899,7 +899,8 @@ inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, co
   for (int64_t k = 0; k < std::min(K, kRowsAhead); ++k)
     prefetch_span(tables + rn[k] * stride + cb, std::min(kCols, ce - cb));
   int64_t c0 = cb;
-  for (; c0 + kCols <= ce; c0 += kCols) add_span_rows<kCols / kLanes>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
+  for (; c0 + kCols <= ce; c0 += kCols)
+    add_span_rows<kCols / kLanes>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
   if (c0 < ce)
     with_vectors((ce - c0) / kLanes, [&](auto v) {
       add_span_rows<decltype(v)::value>(sums, tables, stride, rn, rnext, s, K, c0, cb, ce);
@@ -913,7 +914,7 @@ inline void add_rows_span_order(float* sums, const T* tables, int64_t stride, co
 // whole vectors' width. Returns where the ragged last columns (fewer than kLanes) start (ce where there are none).
 template <typename T, typename Start, typename Finish>
 int64_t sum_whole_vectors(const T* tables, int64_t stride, const int64_t* rn, const int64_t* rnext, const float* s,
-                        int64_t K, int64_t cb, int64_t ce, Start start, Finish finish) {
+                          int64_t K, int64_t cb, int64_t ce, Start start, Finish finish) {
   const int64_t spans = cb + (ce - cb) / kCols * kCols, whole = cb + (ce - cb) / kLanes * kLanes;
   if (whole == cb) return cb;
   static thread_local std::vector<float> buffer;
@@ -939,7 +940,7 @@ void lookup_kernel(const int64_t* rows, const typename Acc<T>::type* scores, con
     const int64_t* rn = rows + n * K;
     const A* sn = scores + n * K;
     int64_t c0 = cb;
-    if constexpr (std::is_same<A, float>::value) {   // whole spans: the row-block order, from the bias (or 0)
+    if constexpr (std::is_same<A, float>::value) {   // whole vectors (sum_whole_vectors), from the bias (or 0)
       c0 = sum_whole_vectors(tables, D, rn, rnext, sn, K, cb, ce, [&](float* sums, int64_t w) {
         for (int64_t j = 0; j < w; j += kLanes) (bias ? load_floats(bias + cb + j) : fVec(0.f)).store(sums + j);
       }, [&](const float* sums, int64_t w) {

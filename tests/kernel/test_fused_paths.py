@@ -92,11 +92,12 @@ def test_forward_strategy_equals_one_hot_matmul(n, num_tables, hash_bits, out_fe
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "n, num_tables, hash_bits, out_features",
-    [(1, 64, 4, 1000), (1, 128, 2, 3072), (3, 64, 4, 1536), (2, 16, 3, 4100)],
+    [(1, 64, 4, 1000), (1, 128, 2, 3072), (3, 64, 4, 1536), (2, 16, 3, 4100), (1, 48, 4, 768)],
 )
 def test_token_kernel_splits_columns_over_threads_with_the_same_bits(n, num_tables, hash_bits, out_features, dtype):
     """Fewer tokens than threads (a decode step): the token-major pass splits each token's columns over the threads
-    (even ranges of whole vectors, the last one ragged). Each column is summed over the same rows in the same order
+    (even ranges of whole vectors, the last one ragged; 768 columns, MF-small's Memory Block layer 2, in 384-column
+    ranges on 2 threads, 1.5 spans of 256 under AVX-512). Each column is summed over the same rows in the same order
     whatever the split, so 1, 2, 3 and 5 threads give the same bits, and the float64 oracle holds."""
     rows, scores, tables, bias = hashed_inputs(n, num_tables, hash_bits, out_features, dtype)
     before = torch.get_num_threads()
@@ -151,11 +152,11 @@ def test_token_kernel_sums_few_rows_in_narrow_units_in_order(n, out_features, nu
     units of 1-7 spans under either, 6 at 3072 and 1536 columns on 1-2 threads under AVX-512, at 384 under AVX2, 7 at
     448) is summed span by span over all K rows, the rows 4 and 12 ahead prefetched: past the last row the next span's
     first rows, then the next token's, which must stay within the K rows there are when K is smaller than the
-    distance. The threads split a token's columns evenly in whole vectors, so a unit's last span can be narrower than
-    the others (768 and 960 columns on 2 threads under AVX-512: 1.5 and 1.875 spans per unit), and a wide unit sums
-    its whole spans in the row-block order and its narrower rest in the span order (3616 columns: 14 spans and 2
-    vectors under AVX-512, 7 spans and a vector per unit on 2 threads; 960 on 2 threads under AVX2: 7.5 spans). The
-    float32 sums are still taken row by row in table order, bit for bit, on 1, 2 and 3 threads."""
+    distance. A unit's last span can be narrower than the others, summed in as many vectors as it has (600 and 960
+    columns under AVX-512: 2 spans and 5 vectors, 3 spans and 12 vectors), and a wide unit sums its whole spans in
+    the row-block order and its narrower rest in the span order (3616 columns: 14 spans and 2 vectors under AVX-512,
+    7 spans and a vector per unit where 13 tables' rows are split over 2 threads). The float32 sums are still taken
+    row by row in table order, bit for bit, on 1, 2 and 3 threads."""
     rows, scores, tables, bias = hashed_inputs(n, num_tables, 4, out_features, torch.bfloat16, seed=5)
     before = torch.get_num_threads()
     results = []

@@ -74,6 +74,7 @@ OP_SCHEMAS = {
     "isa": "() -> str",
     "linear_rows_max": "() -> int",
     "linear_rows_balance": "(int delay_slot, int delay_us) -> int",  # tests: a late thread; pieces taken from others
+    "linear_rows_prefetch": "(int setting) -> int[]",  # the row pass's prefetch trial: its state, or a fixed choice
     "release_gradient_pool": "() -> int",
 }
 

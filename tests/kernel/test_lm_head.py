@@ -100,6 +100,45 @@ def test_bfloat16_heads_take_the_fused_pass_and_equal_the_product_of_the_bf16_va
     assert ((y.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-6 * scale).all()  # one bf16 rounding
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_pass_prefetch_trial_chooses_and_keeps_every_bit(dtype):
+    """The row pass's software prefetches are chosen on the running machine: over a weight larger than the last-level
+    cache (here a cache set to 64 KB), the first 8 passes alternate without and with them, timed, and the rest take
+    the faster; a fixed setting (0, 1) overrides the trial. Prefetches move no value: every pass, with or without
+    them, gives the bits of the first, and the float64 product within the pass's rounding."""
+    ops = torch.ops.memoryformer
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 200, generator=g).to(dtype)
+    w = torch.randn(3001, 200, generator=g).to(dtype)  # 1.2-2.4 MB of weight: beyond the 64 KB cache below
+    index = 0 if dtype == torch.bfloat16 else 1
+    try:
+        ops.set_cache_sizes(32 << 10, 32 << 10, 64 << 10)
+        assert ops.linear_rows_prefetch(-1) == [-1, -1, 0, -1, 0]
+        first, tokens = ops.linear_rows_argmax(x, w, None)
+        expected = oracle(x, w, None)
+        scale = x.double().abs() @ w.double().abs().T
+        rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
+        assert ((first.double() - expected).abs() <= rounding * expected.abs() + 1e-6 * scale).all()
+        for passes in range(2, 11):
+            y, t = ops.linear_rows_argmax(x, w, None)
+            assert torch.equal(y, first) and torch.equal(t, tokens)
+            state = ops.linear_rows_prefetch(-2)
+            assert state[1 + 2 * index + 1] == min(passes, 8)  # timed passes: the first 8
+            assert (state[1 + 2 * index] >= 0) == (passes >= 8)  # chosen after the 8th
+        assert state[1 + 2 * index] in (0, 1)
+        for setting in (0, 1):
+            assert ops.linear_rows_prefetch(setting)[0] == setting
+            assert torch.equal(ops.linear_rows(x, w, None), first)
+        with pytest.raises(RuntimeError, match="setting must be -2"):
+            ops.linear_rows_prefetch(2)
+    finally:
+        ops.set_cache_sizes(0, 0, 0)
+        ops.linear_rows_prefetch(-1)
+    small = ops.linear_rows_prefetch(-2)
+    ops.linear_rows(x, w, None)  # the detected caches hold this weight: no trial, no prefetch
+    assert ops.linear_rows_prefetch(-2) == small == [-1, -1, 0, -1, 0]
+
+
 def test_other_inputs_take_f_linear_with_its_exact_result():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 64, generator=g)

@@ -15,6 +15,27 @@ int64_t linear_rows_balance_op(int64_t delay_slot, int64_t delay_us) {
   return linear_stolen.load();
 }
 
+// setting -1: run the trial again (its passes forgotten); 0 / 1: every row pass without / with the prefetches; -2:
+// change nothing. Returns [the fixed setting (-1: none), then per weight dtype (bfloat16, float32) the trial's choice
+// (-1 while it runs) and its timed passes].
+std::vector<int64_t> linear_rows_prefetch_op(int64_t setting) {
+  TORCH_CHECK(setting >= -2 && setting <= 1, "memoryformer.linear_rows_prefetch: setting must be -2 (read only), -1 "
+              "(the trial), 0 (without) or 1 (with the prefetches), got ", setting);
+  std::vector<int64_t> out{setting == -2 ? int64_t(prefetch_trial(false).forced.load()) : setting};
+  for (bool float_weight : {false, true}) {
+    PrefetchTrial& trial = prefetch_trial(float_weight);
+    std::lock_guard<std::mutex> lock(trial.m);
+    if (setting != -2) trial.forced.store(int(setting));
+    if (setting == -1) {
+      trial.choice.store(-1);
+      for (auto& v : trial.seconds_per_byte) v.clear();
+    }
+    out.push_back(trial.choice.load());
+    out.push_back(int64_t(trial.seconds_per_byte[0].size() + trial.seconds_per_byte[1].size()));
+  }
+  return out;
+}
+
 std::vector<int64_t> machine_info_op() {
   const Caches c = caches();
   return {c.l1, c.l2, c.l3, int64_t(std::max(1, at::get_num_threads())), kLanes * int64_t(sizeof(float))};

@@ -46,6 +46,7 @@
 //   set_cache_sizes(l1, l2, l3) overrides the detected caches (0, 0, 0: detect again);
 //   linear_rows_balance(slot, us) -> the pieces linear_rows's last pass took from another thread's share; slot >= 0
 //   makes that thread start us microseconds late in later passes (tests; -1: off, see linear_rows.h);
+//   linear_rows_prefetch(setting) -> the row pass's prefetch trial: its state, or a fixed choice (linear_rows.h);
 //   plan(N, K, P, D, dtype, backward) -> the strategy "auto" picks for that shape here;
 //   lookup_strategies() -> the names lookup_strategy takes besides "auto" (kStrategies, their one list).
 //

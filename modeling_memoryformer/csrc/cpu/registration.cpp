@@ -33,6 +33,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
 MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_max", &linear_rows_max_op);
   m.impl("linear_rows_balance", &linear_rows_balance_op);
+  m.impl("linear_rows_prefetch", &linear_rows_prefetch_op);
   m.impl("release_gradient_pool", &release_gradient_pool);
   m.impl("isa", &isa_op);
   m.impl("machine_info", &machine_info_op);

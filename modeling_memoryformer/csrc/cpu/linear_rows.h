@@ -103,19 +103,25 @@ inline void linear_rows_row(const float* x, const T* w, const float* b, O* y, in
       if (Prefetch && near + c < end) __builtin_prefetch(near + c);
       if (Prefetch && far + c < end) __builtin_prefetch(far + c, 0, 2);
     }
-    fVec u[C];
+    fVec u0, u1, u2, u3;   // named, not an array (see RawVec)
     if constexpr (pairs) {
-      load_bf16_pairs(w + j, u[0], u[1]);
-      load_bf16_pairs(w + j + 2 * L, u[2], u[3]);
+      load_bf16_pairs(w + j, u0, u1);
+      load_bf16_pairs(w + j + 2 * L, u2, u3);
     } else {
-#pragma GCC unroll 4
-      for (int64_t c = 0; c < C; ++c) u[c] = load_floats(w + j + c * L);
+      u0 = load_floats(w + j);
+      u1 = load_floats(w + j + L);
+      u2 = load_floats(w + j + 2 * L);
+      u3 = load_floats(w + j + 3 * L);
     }
 #pragma GCC unroll 4
-    for (int64_t c = 0; c < C; ++c)
-#pragma GCC unroll 4
-      for (int64_t m = 0; m < M; ++m)
-        acc[m * C + c] = raw_vec(at::vec::fmadd(fVec::loadu(x + m * D + j + c * L), u[c], from_raw(acc[m * C + c])));
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * D + j;
+      RawVec* a = acc + m * C;
+      a[0] = raw_vec(at::vec::fmadd(fVec::loadu(xm), u0, from_raw(a[0])));
+      a[1] = raw_vec(at::vec::fmadd(fVec::loadu(xm + L), u1, from_raw(a[1])));
+      a[2] = raw_vec(at::vec::fmadd(fVec::loadu(xm + 2 * L), u2, from_raw(a[2])));
+      a[3] = raw_vec(at::vec::fmadd(fVec::loadu(xm + 3 * L), u3, from_raw(a[3])));
+    }
   }
   if constexpr (pairs) {   // a last pair of vectors, on chains 0 and 1
     if (j + 2 * L <= Dv) {
@@ -135,9 +141,14 @@ inline void linear_rows_row(const float* x, const T* w, const float* b, O* y, in
     for (int64_t m = 0; m < M; ++m)
       acc[m * C] = raw_vec(at::vec::fmadd(fVec::loadu(x + m * D + j), u, from_raw(acc[m * C])));
   }
+  // The reduction's loop has a runtime tail inside and does not unroll: it reads a copy (indexing the sums by a
+  // runtime m kept all of them in memory for two rows of x: 31 against 85 GB/s for one row, hot, on the Zen 4).
+  RawVec sums[M * C];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < M * C; ++i) sums[i] = acc[i];
   const auto add = [](fVec& p, fVec& q) { return p + q; };
   for (int64_t m = 0; m < M; ++m) {
-    const RawVec* a = acc + m * C;
+    const RawVec* a = sums + m * C;
     fVec sum4 = (from_raw(a[0]) + from_raw(a[1])) + (from_raw(a[2]) + from_raw(a[3]));
     float sum = at::vec::vec_reduce_all<float>(add, sum4);
     for (int64_t k = Dv; k < D; ++k) sum += x[m * D + k] * float(w[k]);

@@ -101,6 +101,22 @@ def test_bfloat16_heads_take_the_fused_pass_and_equal_the_product_of_the_bf16_va
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [40, 250, 768])
+def test_two_rows_of_x_give_each_row_the_bits_it_gets_alone(dtype, width):
+    """The row pass sums each output in the same chains for one row of x or two (a bfloat16 weight read in pairs of
+    values, x split to match), so a row's logits do not depend on the other row in the batch."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(2, width, generator=g).to(dtype)
+    w = torch.randn(1500, width, generator=g).to(dtype)
+    b = torch.randn(1500, generator=g).to(dtype)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            both = torch.ops.memoryformer.linear_rows(x, w, b)
+            for i in range(2):
+                assert torch.equal(both[i], torch.ops.memoryformer.linear_rows(x[i:i + 1].contiguous(), w, b)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_row_pass_prefetch_trial_chooses_and_keeps_every_bit(dtype):
     """The row pass's software prefetches are chosen on the running machine: over a weight larger than the last-level
     cache (here a cache set to 64 KB), the first 8 passes alternate without and with them, timed, and the rest take

@@ -1958,10 +1958,11 @@ inline void split_pairs(const float* x, float* xs, int64_t M, int64_t D) {
 // Xeon of docs/performance.md (linear_rows.h) they took a cold bfloat16 head from 30 (the L1 one alone) to 32-36
 // GB/s; on the 2-vCPU AMD EPYC Zen 4 of benchmarks/results/2026-11-29f-zen4 (MF-small's 77 MB head, cold, on huge
 // pages, the row read in pairs) they cost up to a quarter of the rate: 43.5-45.8 GB/s against 53-58.5 without, where
-// a read probe gave 55-64. So the first kPrefetchTrials passes over a weight larger than the last-level cache
-// alternate with and without them, timed, and every later pass takes the faster by median (one choice per weight
-// dtype and process; linear_rows_prefetch says which, or fixes one for tests). A weight the cache holds is read
-// without them. Either way every output has the same bits: a prefetch moves no value.
+// a read probe gave 55-64. So the first kPrefetchTrials passes of a kind alternate with and without them, timed, and
+// every later pass of that kind takes the faster by median; a kind is the weight's dtype and whether it is larger than
+// the last-level cache (the Xeon's L3 served part of a 77 MB head, where a Zen's 32 MB L3 holds none of it, so the
+// answer may differ by size), one choice per kind and process (linear_rows_prefetch says which, or fixes one for
+// tests). Either way every output has the same bits: a prefetch moves no value.
 constexpr int64_t kPrefetchTrials = 8;
 
 struct PrefetchTrial {
@@ -1971,18 +1972,23 @@ struct PrefetchTrial {
   std::atomic<int> choice{-1};               // the trial's answer; -1 while it runs
 };
 
-PrefetchTrial& prefetch_trial(bool float_weight) {
-  static PrefetchTrial trials[2];
-  return trials[float_weight ? 1 : 0];
+constexpr int kPrefetchKinds = 4;   // bfloat16 within / beyond the last-level cache, then float32's two
+
+PrefetchTrial& prefetch_trial(int kind) {
+  static PrefetchTrial trials[kPrefetchKinds];
+  return trials[kind];
 }
 
-// Whether a pass over `bytes` of weight on the row loop takes the prefetches, and the trial's arm it is timed for
-// (-1: not timed).
-inline bool linear_prefetch(PrefetchTrial& trial, int64_t bytes, bool by_row, int& arm) {
+// The kind of a pass: its weight's dtype, and whether the weight is larger than the last-level cache.
+inline int prefetch_kind(bool float_weight, int64_t bytes) { return (float_weight ? 2 : 0) + (bytes > tuning().llc); }
+
+// Whether a pass of the trial's kind takes the prefetches, and the trial's arm it is timed for (-1: not timed; only
+// passes on the row loop are).
+inline bool linear_prefetch(PrefetchTrial& trial, bool by_row, int& arm) {
   arm = -1;
   const int forced = trial.forced.load(), chosen = trial.choice.load();
   if (forced >= 0) return forced == 1;
-  if (!by_row || bytes <= tuning().llc) return false;
+  if (!by_row) return false;
   if (chosen >= 0) return chosen == 1;
   std::lock_guard<std::mutex> lock(trial.m);
   arm = trial.seconds_per_byte[0].size() > trial.seconds_per_byte[1].size() ? 1 : 0;
@@ -2330,10 +2336,10 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
   auto pass = [&](auto* wp, int64_t S, const auto& chunk) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     T* yp = y.data_ptr<T>();
-    PrefetchTrial& trial = prefetch_trial(std::is_same_v<T, float>);
     const int64_t bytes = V * D * int64_t(sizeof(T));
+    PrefetchTrial& trial = prefetch_trial(prefetch_kind(std::is_same_v<T, float>, bytes));
     int arm;
-    const bool prefetch = linear_prefetch(trial, bytes, M <= 2 || std::is_same_v<T, float>, arm);
+    const bool prefetch = linear_prefetch(trial, M <= 2 || std::is_same_v<T, float>, arm);
     const auto start = std::chrono::steady_clock::now();
     switch (M) {
       case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V, S, prefetch, chunk); break;
@@ -3327,15 +3333,15 @@ int64_t linear_rows_balance_op(int64_t delay_slot, int64_t delay_us) {
   return linear_stolen.load();
 }
 
-// setting -1: run the trial again (its passes forgotten); 0 / 1: every row pass without / with the prefetches; -2:
-// change nothing. Returns [the fixed setting (-1: none), then per weight dtype (bfloat16, float32) the trial's choice
-// (-1 while it runs) and its timed passes].
+// setting -1: run the trials again (their passes forgotten); 0 / 1: every row pass without / with the prefetches; -2:
+// change nothing. Returns [the fixed setting (-1: none), then per kind (bfloat16 weights within, then beyond the
+// last-level cache; float32's two) the trial's choice (-1 while it runs) and its timed passes].
 std::vector<int64_t> linear_rows_prefetch_op(int64_t setting) {
   TORCH_CHECK(setting >= -2 && setting <= 1, "memoryformer.linear_rows_prefetch: setting must be -2 (read only), -1 "
               "(the trial), 0 (without) or 1 (with the prefetches), got ", setting);
-  std::vector<int64_t> out{setting == -2 ? int64_t(prefetch_trial(false).forced.load()) : setting};
-  for (bool float_weight : {false, true}) {
-    PrefetchTrial& trial = prefetch_trial(float_weight);
+  std::vector<int64_t> out{setting == -2 ? int64_t(prefetch_trial(0).forced.load()) : setting};
+  for (int kind = 0; kind < kPrefetchKinds; ++kind) {
+    PrefetchTrial& trial = prefetch_trial(kind);
     std::lock_guard<std::mutex> lock(trial.m);
     if (setting != -2) trial.forced.store(int(setting));
     if (setting == -1) {

@@ -118,18 +118,20 @@ def test_two_rows_of_x_give_each_row_the_bits_it_gets_alone(dtype, width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_row_pass_prefetch_trial_chooses_and_keeps_every_bit(dtype):
-    """The row pass's software prefetches are chosen on the running machine: over a weight larger than the last-level
-    cache (here a cache set to 64 KB), the first 8 passes alternate without and with them, timed, and the rest take
-    the faster; a fixed setting (0, 1) overrides the trial. Prefetches move no value: every pass, with or without
-    them, gives the bits of the first, and the float64 product within the pass's rounding."""
+    """The row pass's software prefetches are chosen on the running machine, per kind of pass (the weight's dtype, and
+    whether it is larger than the last-level cache): the first 8 passes of a kind alternate without and with them,
+    timed, and the later ones take the faster; a fixed setting (0, 1) overrides the trials. Prefetches move no value:
+    every pass, with or without them, gives the bits of the first, and the float64 product within the pass's
+    rounding."""
     ops = torch.ops.memoryformer
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 200, generator=g).to(dtype)
     w = torch.randn(3001, 200, generator=g).to(dtype)  # 1.2-2.4 MB of weight: beyond the 64 KB cache below
-    index = 0 if dtype == torch.bfloat16 else 1
+    within, beyond = (0, 1) if dtype == torch.bfloat16 else (2, 3)  # the kinds' places in the op's answer
+    idle = [-1] + [-1, 0] * 4
     try:
         ops.set_cache_sizes(32 << 10, 32 << 10, 64 << 10)
-        assert ops.linear_rows_prefetch(-1) == [-1, -1, 0, -1, 0]
+        assert ops.linear_rows_prefetch(-1) == idle
         first, tokens = ops.linear_rows_argmax(x, w, None)
         expected = oracle(x, w, None)
         scale = x.double().abs() @ w.double().abs().T
@@ -139,9 +141,15 @@ def test_the_row_pass_prefetch_trial_chooses_and_keeps_every_bit(dtype):
             y, t = ops.linear_rows_argmax(x, w, None)
             assert torch.equal(y, first) and torch.equal(t, tokens)
             state = ops.linear_rows_prefetch(-2)
-            assert state[1 + 2 * index + 1] == min(passes, 8)  # timed passes: the first 8
-            assert (state[1 + 2 * index] >= 0) == (passes >= 8)  # chosen after the 8th
-        assert state[1 + 2 * index] in (0, 1)
+            assert state[2 + 2 * beyond] == min(passes, 8)  # timed passes: the first 8
+            assert (state[1 + 2 * beyond] >= 0) == (passes >= 8)  # chosen after the 8th
+            assert state[1 + 2 * within] == -1 and state[2 + 2 * within] == 0  # the other kind untouched
+        assert state[1 + 2 * beyond] in (0, 1)
+        ops.set_cache_sizes(0, 0, 0)  # the detected caches hold this weight: a pass of the other kind
+        assert torch.equal(ops.linear_rows(x, w, None), first)
+        after = ops.linear_rows_prefetch(-2)
+        assert after[2 + 2 * within] == 1  # the first timed pass of its own trial
+        assert after[1 + 2 * beyond : 3 + 2 * beyond] == state[1 + 2 * beyond : 3 + 2 * beyond]
         for setting in (0, 1):
             assert ops.linear_rows_prefetch(setting)[0] == setting
             assert torch.equal(ops.linear_rows(x, w, None), first)
@@ -150,9 +158,7 @@ def test_the_row_pass_prefetch_trial_chooses_and_keeps_every_bit(dtype):
     finally:
         ops.set_cache_sizes(0, 0, 0)
         ops.linear_rows_prefetch(-1)
-    small = ops.linear_rows_prefetch(-2)
-    ops.linear_rows(x, w, None)  # the detected caches hold this weight: no trial, no prefetch
-    assert ops.linear_rows_prefetch(-2) == small == [-1, -1, 0, -1, 0]
+    assert ops.linear_rows_prefetch(-2) == idle
 
 
 def test_other_inputs_take_f_linear_with_its_exact_result():

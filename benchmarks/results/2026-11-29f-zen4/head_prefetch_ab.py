@@ -29,7 +29,8 @@ first = op(x, w, None)
 for _ in range(10):
     flush.sum()
     assert torch.equal(op(x, w, None)[0], first[0])
-print("trial: [fixed setting, bf16 choice, bf16 timed passes, f32 choice, f32 timed passes] =", setting(-2))
+# [the fixed setting, then the choice and the timed passes per kind: bf16 within, beyond the LLC; float32 the same]
+print("trial:", setting(-2))
 for _ in range(6):
     probe = memory_read_gbps(repeats=1)
     seconds = {0: [], 1: []}

@@ -15,15 +15,15 @@ int64_t linear_rows_balance_op(int64_t delay_slot, int64_t delay_us) {
   return linear_stolen.load();
 }
 
-// setting -1: run the trial again (its passes forgotten); 0 / 1: every row pass without / with the prefetches; -2:
-// change nothing. Returns [the fixed setting (-1: none), then per weight dtype (bfloat16, float32) the trial's choice
-// (-1 while it runs) and its timed passes].
+// setting -1: run the trials again (their passes forgotten); 0 / 1: every row pass without / with the prefetches; -2:
+// change nothing. Returns [the fixed setting (-1: none), then per kind (bfloat16 weights within, then beyond the
+// last-level cache; float32's two) the trial's choice (-1 while it runs) and its timed passes].
 std::vector<int64_t> linear_rows_prefetch_op(int64_t setting) {
   TORCH_CHECK(setting >= -2 && setting <= 1, "memoryformer.linear_rows_prefetch: setting must be -2 (read only), -1 "
               "(the trial), 0 (without) or 1 (with the prefetches), got ", setting);
-  std::vector<int64_t> out{setting == -2 ? int64_t(prefetch_trial(false).forced.load()) : setting};
-  for (bool float_weight : {false, true}) {
-    PrefetchTrial& trial = prefetch_trial(float_weight);
+  std::vector<int64_t> out{setting == -2 ? int64_t(prefetch_trial(0).forced.load()) : setting};
+  for (int kind = 0; kind < kPrefetchKinds; ++kind) {
+    PrefetchTrial& trial = prefetch_trial(kind);
     std::lock_guard<std::mutex> lock(trial.m);
     if (setting != -2) trial.forced.store(int(setting));
     if (setting == -1) {

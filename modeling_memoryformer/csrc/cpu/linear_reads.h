@@ -38,10 +38,11 @@ inline void split_pairs(const float* x, float* xs, int64_t M, int64_t D) {
 // Xeon of docs/performance.md (linear_rows.h) they took a cold bfloat16 head from 30 (the L1 one alone) to 32-36
 // GB/s; on the 2-vCPU AMD EPYC Zen 4 of benchmarks/results/2026-11-29f-zen4 (MF-small's 77 MB head, cold, on huge
 // pages, the row read in pairs) they cost up to a quarter of the rate: 43.5-45.8 GB/s against 53-58.5 without, where
-// a read probe gave 55-64. So the first kPrefetchTrials passes over a weight larger than the last-level cache
-// alternate with and without them, timed, and every later pass takes the faster by median (one choice per weight
-// dtype and process; linear_rows_prefetch says which, or fixes one for tests). A weight the cache holds is read
-// without them. Either way every output has the same bits: a prefetch moves no value.
+// a read probe gave 55-64. So the first kPrefetchTrials passes of a kind alternate with and without them, timed, and
+// every later pass of that kind takes the faster by median; a kind is the weight's dtype and whether it is larger than
+// the last-level cache (the Xeon's L3 served part of a 77 MB head, where a Zen's 32 MB L3 holds none of it, so the
+// answer may differ by size), one choice per kind and process (linear_rows_prefetch says which, or fixes one for
+// tests). Either way every output has the same bits: a prefetch moves no value.
 constexpr int64_t kPrefetchTrials = 8;
 
 struct PrefetchTrial {
@@ -51,18 +52,23 @@ struct PrefetchTrial {
   std::atomic<int> choice{-1};               // the trial's answer; -1 while it runs
 };
 
-PrefetchTrial& prefetch_trial(bool float_weight) {
-  static PrefetchTrial trials[2];
-  return trials[float_weight ? 1 : 0];
+constexpr int kPrefetchKinds = 4;   // bfloat16 within / beyond the last-level cache, then float32's two
+
+PrefetchTrial& prefetch_trial(int kind) {
+  static PrefetchTrial trials[kPrefetchKinds];
+  return trials[kind];
 }
 
-// Whether a pass over `bytes` of weight on the row loop takes the prefetches, and the trial's arm it is timed for
-// (-1: not timed).
-inline bool linear_prefetch(PrefetchTrial& trial, int64_t bytes, bool by_row, int& arm) {
+// The kind of a pass: its weight's dtype, and whether the weight is larger than the last-level cache.
+inline int prefetch_kind(bool float_weight, int64_t bytes) { return (float_weight ? 2 : 0) + (bytes > tuning().llc); }
+
+// Whether a pass of the trial's kind takes the prefetches, and the trial's arm it is timed for (-1: not timed; only
+// passes on the row loop are).
+inline bool linear_prefetch(PrefetchTrial& trial, bool by_row, int& arm) {
   arm = -1;
   const int forced = trial.forced.load(), chosen = trial.choice.load();
   if (forced >= 0) return forced == 1;
-  if (!by_row || bytes <= tuning().llc) return false;
+  if (!by_row) return false;
   if (chosen >= 0) return chosen == 1;
   std::lock_guard<std::mutex> lock(trial.m);
   arm = trial.seconds_per_byte[0].size() > trial.seconds_per_byte[1].size() ? 1 : 0;

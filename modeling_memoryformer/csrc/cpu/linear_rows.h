@@ -324,10 +324,10 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
   auto pass = [&](auto* wp, int64_t S, const auto& chunk) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     T* yp = y.data_ptr<T>();
-    PrefetchTrial& trial = prefetch_trial(std::is_same_v<T, float>);
     const int64_t bytes = V * D * int64_t(sizeof(T));
+    PrefetchTrial& trial = prefetch_trial(prefetch_kind(std::is_same_v<T, float>, bytes));
     int arm;
-    const bool prefetch = linear_prefetch(trial, bytes, M <= 2 || std::is_same_v<T, float>, arm);
+    const bool prefetch = linear_prefetch(trial, M <= 2 || std::is_same_v<T, float>, arm);
     const auto start = std::chrono::steady_clock::now();
     switch (M) {
       case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V, S, prefetch, chunk); break;

@@ -1960,9 +1960,9 @@ inline void split_pairs(const float* x, float* xs, int64_t M, int64_t D) {
 // pages, the row read in pairs) they cost up to a quarter of the rate: 43.5-45.8 GB/s against 53-58.5 without, where
 // a read probe gave 55-64. So the first kPrefetchTrials passes of a kind alternate with and without them, timed, and
 // every later pass of that kind takes the faster by median; a kind is the weight's dtype and whether it is larger than
-// the last-level cache (the Xeon's L3 served part of a 77 MB head, where a Zen's 32 MB L3 holds none of it, so the
-// answer may differ by size), one choice per kind and process (linear_rows_prefetch says which, or fixes one for
-// tests). Either way every output has the same bits: a prefetch moves no value.
+// the last-level cache (the Xeon's L3 served part of a 77 MB head, where this Zen 4's 32 MB L3 holds less than half
+// of it, so the answer may differ by size), one choice per kind and process (linear_rows_prefetch says which, or
+// fixes one for tests). Either way every output has the same bits: a prefetch moves no value.
 constexpr int64_t kPrefetchTrials = 8;
 
 struct PrefetchTrial {

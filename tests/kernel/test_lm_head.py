@@ -145,7 +145,7 @@ def test_the_row_pass_prefetch_trial_chooses_and_keeps_every_bit(dtype):
             assert (state[1 + 2 * beyond] >= 0) == (passes >= 8)  # chosen after the 8th
             assert state[1 + 2 * within] == -1 and state[2 + 2 * within] == 0  # the other kind untouched
         assert state[1 + 2 * beyond] in (0, 1)
-        ops.set_cache_sizes(0, 0, 0)  # the detected caches hold this weight: a pass of the other kind
+        ops.set_cache_sizes(32 << 10, 1 << 20, 32 << 20)  # a 32 MB cache holds this weight: a pass of the other kind
         assert torch.equal(ops.linear_rows(x, w, None), first)
         after = ops.linear_rows_prefetch(-2)
         assert after[2 + 2 * within] == 1  # the first timed pass of its own trial

@@ -1,7 +1,7 @@
 """Where a bf16 MemoryFormer's decode step goes: timers around the decode loop's stack call and the LM head's fused
 pass (class-level wrappers, as decode_bench's StepClock), with a read probe before each `generate` call.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/2026-11-28-zen4-night/where.py base
+    PYTHONPATH=. .venv/bin/python benchmarks/results/2026-11-28-zen4-night/where.py base [calls, default 6]
 """
 import statistics
 import sys
@@ -41,7 +41,7 @@ timed(decode_loop._StackSession, "step", "stack")
 timed(MemoryFormerLMHead, "logits_and_argmax", "head")
 ids = torch.randint(0, model.config.vocab_size - 1, (1, 16))
 kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=33, do_sample=False, pad_token_id=0)
-for _ in range(6):
+for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 6):
     for values in (*seconds.values(), starts):
         values.clear()
     probe = memory_read_gbps(repeats=2)

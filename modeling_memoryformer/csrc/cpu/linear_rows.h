@@ -214,13 +214,12 @@ struct NoChunk {
 };
 
 // The loop (see the top of this part): one weight row at a time, or 2 at a time for 3-4 rows of bfloat16 x.
-template <int64_t M, typename T>
-constexpr bool linear_by_row() { return M <= 2 || std::is_same_v<T, float>; }
+constexpr bool linear_by_row(int64_t M, bool float_weight) { return M <= 2 || float_weight; }
 
 template <int64_t M, typename T, typename O, typename Chunk = NoChunk>
 void linear_rows_kernel(const float* x, const T* w, const float* b, O* y, int64_t D, int64_t V, int64_t S,
                         bool prefetch, const Chunk& chunk = Chunk()) {
-  constexpr bool by_row = linear_by_row<M, T>();
+  constexpr bool by_row = linear_by_row(M, std::is_same_v<T, float>);
   constexpr int64_t R = 2;
   // Rows [v0, v1) of slot s, prefetching up to `end` (the end of the slot's own range: its next piece).
   const auto rows = [&](int64_t s, int64_t v0, int64_t v1, const T* end) {
@@ -313,7 +312,7 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
     b = bias->to(at::kFloat);
   }
   auto xf = x.to(at::kFloat);
-  if (dtype == at::kBFloat16 && M <= 2) {   // the row pass reads a bfloat16 row in pairs: x split to match
+  if (dtype == at::kBFloat16 && linear_by_row(M, false)) {   // the row pass reads bfloat16 in pairs: x split to match
     auto xs = at::empty_like(xf);
     split_pairs(xf.data_ptr<float>(), xs.data_ptr<float>(), M, D);
     xf = xs;
@@ -327,7 +326,7 @@ at::Tensor linear_rows_run(const at::Tensor& x, const at::Tensor& weight, const 
     const int64_t bytes = V * D * int64_t(sizeof(T));
     PrefetchTrial& trial = prefetch_trial(prefetch_kind(std::is_same_v<T, float>, bytes));
     int arm;
-    const bool prefetch = linear_prefetch(trial, M <= 2 || std::is_same_v<T, float>, arm);
+    const bool prefetch = linear_prefetch(trial, linear_by_row(M, std::is_same_v<T, float>), arm);
     const auto start = std::chrono::steady_clock::now();
     switch (M) {
       case 1: linear_rows_kernel<1>(xp, wp, bp, yp, D, V, S, prefetch, chunk); break;

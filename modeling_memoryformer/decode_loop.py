@@ -32,7 +32,6 @@ from operator import attrgetter, is_
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -95,11 +94,12 @@ class _StackSession:
         self.keys, self.values = tuple(map(_KEYS, self.layers)), tuple(map(_VALUES, self.layers))
         self.marked = self.keys + self.values
         self.embed, self.norm, self.cos, self.sin = embed.weight, norm, table[1], table[2]
-        self.vocab = embed.num_embeddings
         tensors, floats, ints, heads, scaling, _head_dim, count = plan.stack
+        # the final norm in the same call where it is nn.LayerNorm over the hidden size (its forward's F.layer_norm)
+        fused_norm = type(norm) is nn.LayerNorm and tuple(norm.normalized_shape) == (embed.weight.shape[1],)
+        self.final = (True, norm.weight, norm.bias, norm.eps) if fused_norm else (False, None, None, 0.0)
         self.operands = (heads, scaling, tensors, floats, ints, [1] * count)
         self.same = bool(positions.eq(top).all())
-        self.cos_rows, self.sin_rows = self.cos[:, None, None], self.sin[:, None, None]  # [positions, 1, 1, r]
         self.ok = True
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, top: int):
@@ -109,27 +109,27 @@ class _StackSession:
         if (top >= self.cos.shape[0] or self.cache.layers is not layers
                 or not all(map(is_, map(_KEYS, layers), self.keys)) or not all(map(is_, map(_VALUES, layers), self.values))):
             return None
-        tokens = ids.view(-1).tolist()
-        if min(tokens) < 0 or max(tokens) >= self.vocab:
-            return None  # the module path raises its error
-        batch = len(tokens)
-        x = F.embedding(ids, self.embed)  # nn.Embedding's forward (no max_norm); the dropout is off
+        batch = ids.shape[0]
         if self.same:  # every sequence at `top` (positions may lag behind: the loop does not advance them)
-            cos, sin = self.cos_rows[top], self.sin_rows[top]
+            cos, sin, position = self.cos, self.sin, top  # the op reads row `top` of the tables
         else:
             rows = positions.view(-1)
             shape = (batch, 1, self.cos.shape[-1])
             cos, sin = self.cos.index_select(0, rows).view(shape), self.sin.index_select(0, rows).view(shape)
+            position = -1
         heads, scaling, tensors, floats, ints, owned = self.operands
-        out, self.keys, self.values = fused_ops().decode_stack.default.redispatch(
-            _CPU_KEYS, x.view(batch, -1), self.keys, self.values, None, cos, sin, heads, scaling, tensors, floats, ints,
-            owned)
-        for layer, key, value in zip(layers, self.keys, self.values):
+        # the embedding (nn.Embedding's forward: no max_norm; the dropout is off), the layers and the final norm
+        out, keys, values = fused_ops().decode_tokens.default.redispatch(
+            _CPU_KEYS, ids, self.embed, self.keys, self.values, cos, sin, position, heads, scaling, tensors, floats,
+            ints, owned, *self.final)
+        if out.dim() != 2:
+            return None  # a token outside the vocabulary: nothing written, the module path raises its error
+        self.keys, self.values = keys, values
+        for layer, key, value in zip(layers, keys, values):
             layer.keys, layer.values = key, value
-        norm = self.norm
-        if type(norm) is nn.LayerNorm:  # its forward's F.layer_norm, without the Python around it
-            return torch.layer_norm(out.view(batch, 1, -1), norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        return type(norm).forward(norm, out.view(batch, 1, -1))
+        if self.final[0]:
+            return out.view(batch, 1, -1)
+        return type(self.norm).forward(self.norm, out.view(batch, 1, -1))
 
     def close(self) -> None:
         """Moves the `_ROOM` marks from the views the session started from to the ones its last call returned (the

@@ -48,6 +48,9 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/cpu/prelude.h"
 //       decoder layer of a decode step in one call (decode_qkv, the cache's growth, decode_attention, decode_block).
 // - decode_stack_static(x, keys[], values[], lengths[], mask?, cos, sin, heads, scaling, operands...) -> out: the same
 //       over a static cache's buffers, written in place at each layer's length (see static_stack.h).
+// - decode_tokens(ids[N, 1], embed, keys[], values[], cos, sin, position, heads, scaling, operands..., final norm)
+//       -> (out, keys[], values[]): generate's decode step from its tokens, the embedding and the final norm with
+//       decode_stack in one call (see decode_tokens.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").
@@ -2930,21 +2933,30 @@ at::Tensor decode_memory_layer(const at::Tensor& x, const at::Tensor& tables, co
 
 // The rotary embedding in place on the first r dims of each of the `heads` heads (of width D) of one token's row,
 // as rotate_in_place_: x_rot * cos + rotate_half(x_rot) * sin, each product and the sum rounded to T as the three
-// element-wise ops round them (a 16-bit T computes each in float32; float32 products are stored before the sum, so
-// that no fused multiply-add changes a bit).
+// element-wise ops round them (a 16-bit T computes each in float32 and rounds it to T, which leaves no product to fuse
+// into the sum; float32 products are stored before the sum, so that no fused multiply-add changes a bit). The two
+// halves in separate loops (rotate_half's sign), which the compiler vectorises for a 16-bit T: the volatile stores the
+// 16-bit path had took 1.7 us per layer of MF-small (24 heads of 16 rotated dims), about 20 us of a decode step.
 template <typename T>
 void rotate_heads(T* x, const T* cos, const T* sin, int64_t heads, int64_t D, int64_t r) {
   using A = typename Acc<T>::type;
   const int64_t half = r / 2;
   A rotated[512];
+  const auto rotate = [&](const T* xh, int64_t j, A other) {
+    if constexpr (std::is_same_v<T, A>) {
+      volatile A a = xh[j] * cos[j];
+      volatile A b = other * sin[j];
+      return A(a + b);
+    } else {
+      const A a = A(T(A(xh[j]) * A(cos[j])));
+      const A b = A(T(other * A(sin[j])));
+      return A(T(a + b));
+    }
+  };
   for (int64_t h = 0; h < heads; ++h) {
     T* xh = x + h * D;
-    for (int64_t j = 0; j < r; ++j) {
-      const A other = j < half ? -A(xh[j + half]) : A(xh[j - half]);
-      volatile A a = A(T(A(xh[j]) * A(cos[j])));
-      volatile A b = A(T(other * A(sin[j])));
-      rotated[j] = A(T(a + b));
-    }
+    for (int64_t j = 0; j < half; ++j) rotated[j] = rotate(xh, j, -A(xh[j + half]));
+    for (int64_t j = half; j < r; ++j) rotated[j] = rotate(xh, j, A(xh[j - half]));
     for (int64_t j = 0; j < r; ++j) xh[j] = T(rotated[j]);
   }
 }
@@ -3314,6 +3326,57 @@ at::Tensor decode_stack_static_op(const at::Tensor& x, at::TensorList keys, at::
     return decode_attention_op(parts[0], k, v, mask, scaling).reshape({N, 1, d}).contiguous().view({N, d});
   });
 }
+#line 1 "modeling_memoryformer/csrc/cpu/decode_tokens.h"
+// A decode step of generate's loop from its tokens: the embedding, every decoder layer and the final norm in one call.
+// A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
+// csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
+
+// ------------------------------------------------------------------------------------------------ decode tokens
+// decode_loop._StackSession's step: x = embed[ids] (nn.Embedding's forward: the rows copied), the rotary rows of
+// `position` (cos and sin the tables [positions, r], every sequence at that position) or cos and sin as decode_stack
+// takes them ([N or 1, 1, r], position -1), decode_stack (no mask: every key), then, where `final_norm`, the final
+// layer norm (ATen's kernel, the values of torch.layer_norm over the last dimension, as nn.LayerNorm). In Python
+// these were four ATen calls around decode_stack (the embedding, two rotary rows, the norm): each took 5-30 us right
+// after the LM head, whose 50-100 MB stream evicts their code and data from the caches, where the same calls take
+// 2-5 us warm (MF-small bfloat16 on the 2-vCPU Zen 4 of docs/performance.md: the embedding 24-45 us, the norm
+// 22-35 us, per step). A token outside [0, embeddings) writes nothing and returns an empty output and no keys or
+// values (a 1-D output, where a step's is [N, hidden]): the caller declines the step, and the module path raises
+// its error.
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_tokens_op(
+    const at::Tensor& ids, const at::Tensor& embed, at::TensorList keys, at::TensorList values, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t position, int64_t num_heads, double scaling,
+    const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints,
+    at::IntArrayRef owned, bool final_norm, const std::optional<at::Tensor>& norm_weight,
+    const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+  const char* op = "memoryformer.decode_tokens";
+  TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(), op,
+              ": ids must be one int64 token per sequence [N, 1] on the CPU, got ", ids.sizes(), " ",
+              ids.scalar_type());
+  TORCH_CHECK(embed.dim() == 2 && embed.device().is_cpu() && embed.stride(1) == 1, op, ": the embedding must be a CPU "
+              "matrix [embeddings, hidden] with contiguous rows, got ", embed.sizes(), " strides ", embed.strides());
+  const int64_t N = ids.size(0), V = embed.size(0), d = embed.size(1);
+  const at::Tensor tokens = ids.contiguous();
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    if (t[n] < 0 || t[n] >= V) return {at::empty({0}, embed.options()), {}, {}};
+  at::Tensor x = at::empty({N, d}, embed.options());
+  const int64_t row = d * static_cast<int64_t>(embed.element_size());
+  const char* from = static_cast<const char*>(embed.data_ptr());
+  for (int64_t n = 0; n < N; ++n)
+    std::memcpy(static_cast<char*>(x.data_ptr()) + n * row, from + t[n] * embed.stride(0) * embed.element_size(), row);
+  at::Tensor c = cos, s = sin;
+  if (position >= 0) {
+    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && position < cos.size(0), op, ": with a position, cos "
+                "and sin must be the rotary tables [positions, r] holding it, got ", cos.sizes(), " and ", sin.sizes(),
+                " for position ", position);
+    c = cos.narrow(0, position, 1).reshape({1, 1, cos.size(1)});
+    s = sin.narrow(0, position, 1).reshape({1, 1, sin.size(1)});
+  }
+  auto [h, new_keys, new_values] = decode_stack_op(x, keys, values, std::nullopt, c, s, num_heads, scaling, tensors,
+                                                   floats, ints, owned);
+  if (final_norm) h = aten_layer_norm(h, norm_weight, norm_bias, norm_eps);
+  return {h, std::move(new_keys), std::move(new_values)};
+}
 #line 1 "modeling_memoryformer/csrc/cpu/introspection.h"
 // Introspection: the kernel's facts and settings.
 // A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
@@ -3495,6 +3558,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("decode_block", &decode_block_op);
   m.impl("decode_stack", &decode_stack_op);
   m.impl("decode_stack_static", &decode_stack_static_op);
+  m.impl("decode_tokens", &decode_tokens_op);
   m.impl("rowwise_adagrad_step", &rowwise_adagrad_step_op);
   m.impl("adam_rowwise_step", &adam_rowwise_step_op);
 }

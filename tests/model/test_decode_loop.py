@@ -350,3 +350,27 @@ def test_a_greedy_step_takes_its_logits_and_tokens_from_one_head_pass(monkeypatc
     assert torch.equal(generate(model, UNPADDED, logits_processor=LogitsProcessorList([Shift()])), plain)
     generate(model, UNPADDED, do_sample=True)
     assert calls == []
+
+
+@pytest.mark.parametrize("bad", [128, -1])
+def test_a_token_outside_the_vocabulary_makes_the_session_decline_and_write_nothing(bad):
+    """The session's step (decode_tokens: the embedding, the layers and the final norm in one call) checks every token
+    before it writes: one outside [0, vocabulary) returns None, the cache as it was, and the module path then raises
+    the model's error; the next step in range runs."""
+    model = tiny_model(attn_implementation="sdpa")  # vocabulary of 128
+    length = UNPADDED.shape[1]
+    with torch.inference_mode():
+        cache = model(UNPADDED, use_cache=True).past_key_values
+        positions = torch.full((2, 1), length)
+        first = torch.tensor([[5], [9]])
+        assert decode_loop.decode_stack_run(model, first, None, positions, cache, None, None, {}) is not None
+        session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
+        assert session.ok
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        assert session.step(torch.tensor([[5], [bad]]), positions + 1, length + 1) is None
+        for layer, (keys, values) in zip(cache.layers, before):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        with pytest.raises(ValueError, match=f"token id {bad}, outside the vocabulary"):
+            model(torch.tensor([[5], [bad]]), past_key_values=cache, position_ids=positions + 1)
+        hidden = session.step(torch.tensor([[5], [127]]), positions + 1, length + 1)
+        assert hidden.shape == (2, 1, model.config.hidden_size) and cache.get_seq_length() == length + 2

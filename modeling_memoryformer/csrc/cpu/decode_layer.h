@@ -51,21 +51,30 @@ at::Tensor decode_memory_layer(const at::Tensor& x, const at::Tensor& tables, co
 
 // The rotary embedding in place on the first r dims of each of the `heads` heads (of width D) of one token's row,
 // as rotate_in_place_: x_rot * cos + rotate_half(x_rot) * sin, each product and the sum rounded to T as the three
-// element-wise ops round them (a 16-bit T computes each in float32; float32 products are stored before the sum, so
-// that no fused multiply-add changes a bit).
+// element-wise ops round them (a 16-bit T computes each in float32 and rounds it to T, which leaves no product to fuse
+// into the sum; float32 products are stored before the sum, so that no fused multiply-add changes a bit). The two
+// halves in separate loops (rotate_half's sign), which the compiler vectorises for a 16-bit T: the volatile stores the
+// 16-bit path had took 1.7 us per layer of MF-small (24 heads of 16 rotated dims), about 20 us of a decode step.
 template <typename T>
 void rotate_heads(T* x, const T* cos, const T* sin, int64_t heads, int64_t D, int64_t r) {
   using A = typename Acc<T>::type;
   const int64_t half = r / 2;
   A rotated[512];
+  const auto rotate = [&](const T* xh, int64_t j, A other) {
+    if constexpr (std::is_same_v<T, A>) {
+      volatile A a = xh[j] * cos[j];
+      volatile A b = other * sin[j];
+      return A(a + b);
+    } else {
+      const A a = A(T(A(xh[j]) * A(cos[j])));
+      const A b = A(T(other * A(sin[j])));
+      return A(T(a + b));
+    }
+  };
   for (int64_t h = 0; h < heads; ++h) {
     T* xh = x + h * D;
-    for (int64_t j = 0; j < r; ++j) {
-      const A other = j < half ? -A(xh[j + half]) : A(xh[j - half]);
-      volatile A a = A(T(A(xh[j]) * A(cos[j])));
-      volatile A b = A(T(other * A(sin[j])));
-      rotated[j] = A(T(a + b));
-    }
+    for (int64_t j = 0; j < half; ++j) rotated[j] = rotate(xh, j, -A(xh[j + half]));
+    for (int64_t j = half; j < r; ++j) rotated[j] = rotate(xh, j, A(xh[j - half]));
     for (int64_t j = 0; j < r; ++j) xh[j] = T(rotated[j]);
   }
 }

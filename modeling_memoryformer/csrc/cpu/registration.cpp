@@ -24,6 +24,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("decode_block", &decode_block_op);
   m.impl("decode_stack", &decode_stack_op);
   m.impl("decode_stack_static", &decode_stack_static_op);
+  m.impl("decode_tokens", &decode_tokens_op);
   m.impl("rowwise_adagrad_step", &rowwise_adagrad_step_op);
   m.impl("adam_rowwise_step", &adam_rowwise_step_op);
 }

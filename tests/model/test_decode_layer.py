@@ -77,7 +77,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_generate_gives_the_modules_bits_on_every_config_form(monkeypatch, name, dtype):
     model = tiny_model(attn_implementation="sdpa", **CONFIGS[name]).to(dtype)

@@ -205,7 +205,8 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
     pending = 0  # columns of ones the mask has yet to grow by
     lag = 0  # steps the positions have yet to advance by
     next_tokens = None  # the last step's picks, which the next decode step reads
-    picked = None  # a step's greedy picks, found with its logits in one pass of the LM head
+    column = None  # next_tokens as a column [batch, 1], where the LM head's pass gave them so
+    picked = None  # a step's greedy picks [batch, 1], found with its logits in one pass of the LM head
     greedy = not generation_config.do_sample and not len(logits_processor)
     from .modeling_memoryformer import MemoryFormerLMHead  # (this module is imported by that one)
     optimized = getattr(self, "_optimize_model_for_decode", nullcontext)
@@ -213,7 +214,7 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
         with optimized():
             while True:
                 if logits is None:  # a decode step: the last tokens (input_ids[:, -1:]) at the next positions
-                    step = next_tokens.view(-1, 1)
+                    step = next_tokens.view(-1, 1) if column is None else column
                     direct = own_forward and unhooked(self)  # else the module call, with its hooks
                     hidden = session.step(step, positions, top) if session is not None and direct else None
                     if session is not None and hidden is None:
@@ -234,8 +235,8 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                     head = self.lm_head
                     if hidden is not None and greedy and type(head) is MemoryFormerLMHead and unhooked(head):
                         both = head.logits_and_argmax(hidden)  # the logits and their argmax in one pass
-                        if both is not None:
-                            logits, picked = both[0][:, -1], both[1][:, -1]
+                        if both is not None:  # [batch, 1, vocab] and [batch, 1], unsliced: greedy search without
+                            logits, picked = both  # processors reads the picks alone (a view: a few us here)
                     if hidden is not None:
                         if picked is None:
                             logits = head(hidden)[:, -1]  # [batch, 1, hidden]: logits_to_keep changes nothing
@@ -258,11 +259,13 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                     else:
                         next_tokens = argmax_rows(next_token_scores)  # torch.argmax(..., dim=-1), faster
                 else:  # greedy, nothing to process: the argmax of the logits is that of their float32 copy
-                    next_tokens = argmax_rows(logits) if picked is None else picked
+                    next_tokens = argmax_rows(logits) if picked is None else picked.view(-1)
+                column = picked
                 logits = picked = None
                 if has_eos_stopping_criteria and not all_unfinished:  # else the same tokens
                     next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
-                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                    column = None
+                input_ids = torch.cat([input_ids, next_tokens[:, None] if column is None else column], dim=-1)
                 if not _criteria_undecided(stopping_criteria, input_ids.shape[1], eos_ids, next_tokens):
                     unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, None)
                     all_unfinished = bool(unfinished_sequences.all())

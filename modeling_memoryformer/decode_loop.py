@@ -27,6 +27,7 @@ transformers release whose loop is the one this mirrors (`transformers_compat.ge
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from operator import attrgetter, is_
 
@@ -65,15 +66,27 @@ def _transformers_own(*callbacks) -> bool:
     return all(type(c).__module__.startswith("transformers.") for c in callbacks)
 
 
+def _drop_session(session: int) -> None:
+    """Ends a kernel session whose `_StackSession` was collected without `close` (its keys and values dropped)."""
+    try:
+        fused_ops().decode_session_close(session)
+    except RuntimeError:
+        pass
+
+
 class _StackSession:
     """What a decode step that ran every layer in one `decode_stack` call (`decode_stack_run`, with all its checks)
     read, for the next steps of the same loop while only transformers' own callbacks run between them: those change
     nothing of the model, so the checks' answer stands and each step is the same calls on the same operands, without
     the 0.2-0.5 ms of Python that derive them again (the plan's check over every submodule and parameter, the module
-    calls of the embedding, dropout, rotary embedding and final norm). It holds the KV views the last call returned,
-    which the next call grows in place (the `_ROOM` marks are moved to them when the session closes). Where every
-    sequence is at the same position (`same`: no padding), a step reads the rotary rows of `top` alone, as views of
-    the table, and the loop need not advance the positions tensor while the session runs."""
+    calls of the embedding, dropout, rotary embedding and final norm). The fused kernel holds the operands and the KV
+    views for the session (decode_session_open / _step / _close, csrc/cpu/decode_tokens.h): a step passes its tokens
+    alone, and each call grows the views the last one returned, in place. The cache's layers keep the views the
+    session started from until it closes, when they take the last ones (and the `_ROOM` marks move to those): the
+    callbacks that run between the steps read nothing of the cache, and a step that finds its layers' views replaced
+    declines. Where every sequence is at the same position (`same`: no padding), a step reads the rotary rows of
+    `top` from the kernel's copy of the table, and the loop need not advance the positions tensor while the session
+    runs."""
 
     def __init__(self, lm, cache, batch: int, positions: torch.Tensor, top: int):
         self.ok = False
@@ -92,13 +105,16 @@ class _StackSession:
             return  # the table of another dtype or inv_freq: the module path makes it again
         self.cache, self.layers = cache, cache.layers
         self.keys, self.values = tuple(map(_KEYS, self.layers)), tuple(map(_VALUES, self.layers))
-        self.marked = self.keys + self.values
-        self.embed, self.norm, self.cos, self.sin = embed.weight, norm, table[1], table[2]
-        tensors, floats, ints, heads, scaling, _head_dim, count = plan.stack
+        self.norm, self.cos, self.sin = norm, table[1], table[2]
+        tensors, floats, ints, heads, scaling, _head_dim, _count = plan.stack
         # the final norm in the same call where it is nn.LayerNorm over the hidden size (its forward's F.layer_norm)
-        fused_norm = type(norm) is nn.LayerNorm and tuple(norm.normalized_shape) == (embed.weight.shape[1],)
-        self.final = (True, norm.weight, norm.bias, norm.eps) if fused_norm else (False, None, None, 0.0)
-        self.operands = (heads, scaling, tensors, floats, ints, [1] * count)
+        self.fused_norm = type(norm) is nn.LayerNorm and tuple(norm.normalized_shape) == (embed.weight.shape[1],)
+        final = (True, norm.weight, norm.bias, norm.eps) if self.fused_norm else (False, None, None, 0.0)
+        ops = fused_ops()
+        self.session = ops.decode_session_open(embed.weight, self.keys, self.values, self.cos, self.sin, heads, scaling,
+                                               tensors, floats, ints, *final)
+        self.dropped = weakref.finalize(self, _drop_session, self.session)
+        self.run = ops.decode_session_step.default.redispatch
         self.same = bool(positions.eq(top).all())
         self.ok = True
 
@@ -109,37 +125,31 @@ class _StackSession:
         if (top >= self.cos.shape[0] or self.cache.layers is not layers
                 or not all(map(is_, map(_KEYS, layers), self.keys)) or not all(map(is_, map(_VALUES, layers), self.values))):
             return None
-        batch = ids.shape[0]
         if self.same:  # every sequence at `top` (positions may lag behind: the loop does not advance them)
-            cos, sin, position = self.cos, self.sin, top  # the op reads row `top` of the tables
+            out = self.run(_CPU_KEYS, self.session, ids, top)  # row `top` of the kernel's rotary tables
         else:
             rows = positions.view(-1)
-            shape = (batch, 1, self.cos.shape[-1])
-            cos, sin = self.cos.index_select(0, rows).view(shape), self.sin.index_select(0, rows).view(shape)
-            position = -1
-        heads, scaling, tensors, floats, ints, owned = self.operands
-        # the embedding (nn.Embedding's forward: no max_norm; the dropout is off), the layers and the final norm
-        out, keys, values = fused_ops().decode_tokens.default.redispatch(
-            _CPU_KEYS, ids, self.embed, self.keys, self.values, cos, sin, position, heads, scaling, tensors, floats,
-            ints, owned, *self.final)
+            shape = (ids.shape[0], 1, self.cos.shape[-1])
+            out = self.run(_CPU_KEYS, self.session, ids, -1, self.cos.index_select(0, rows).view(shape),
+                           self.sin.index_select(0, rows).view(shape))
         if out.dim() != 2:
             return None  # a token outside the vocabulary: nothing written, the module path raises its error
-        self.keys, self.values = keys, values
-        for layer, key, value in zip(layers, keys, values):
-            layer.keys, layer.values = key, value
-        if self.final[0]:
-            return out.view(batch, 1, -1)
-        return type(self.norm).forward(self.norm, out.view(batch, 1, -1))
+        out = out.view(ids.shape[0], 1, -1)
+        return out if self.fused_norm else type(self.norm).forward(self.norm, out)
 
     def close(self) -> None:
-        """Moves the `_ROOM` marks from the views the session started from to the ones its last call returned (the
-        latest views of their buffers, whoever holds them now)."""
+        """Ends the kernel's session: the cache's layers take the views its last step returned, and the `_ROOM` marks
+        move to them from the views the session started from (the latest views of their buffers, whoever holds them
+        now)."""
         if self.ok:
-            for view in self.marked:
-                vars(view).pop(_ROOM, None)
-            for key, value in zip(self.keys, self.values):
-                vars(key)[_ROOM] = vars(value)[_ROOM] = True
             self.ok = False
+            self.dropped.detach()
+            keys, values = fused_ops().decode_session_close(self.session)
+            for view in self.keys + self.values:
+                vars(view).pop(_ROOM, None)
+            for layer, key, value in zip(self.layers, keys, values):
+                layer.keys, layer.values = key, value
+                vars(key)[_ROOM] = vars(value)[_ROOM] = True
 
 
 def _eos_ids(stopping_criteria) -> frozenset | None:

@@ -48,9 +48,10 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/cpu/prelude.h"
 //       decoder layer of a decode step in one call (decode_qkv, the cache's growth, decode_attention, decode_block).
 // - decode_stack_static(x, keys[], values[], lengths[], mask?, cos, sin, heads, scaling, operands...) -> out: the same
 //       over a static cache's buffers, written in place at each layer's length (see static_stack.h).
-// - decode_tokens(ids[N, 1], embed, keys[], values[], cos, sin, position, heads, scaling, operands..., final norm)
-//       -> (out, keys[], values[]): generate's decode step from its tokens, the embedding and the final norm with
-//       decode_stack in one call (see decode_tokens.h).
+// - decode_session_open(embed, keys[], values[], cos, sin, heads, scaling, operands..., final norm) -> id;
+//   decode_session_step(id, ids[N, 1], position, cos?, sin?) -> out; decode_session_close(id) -> (keys[], values[]):
+//       generate's decode steps from their tokens, the embedding and the final norm with decode_stack in one call, over
+//       operands and a KV cache held between the steps (see decode_tokens.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").
@@ -3327,12 +3328,13 @@ at::Tensor decode_stack_static_op(const at::Tensor& x, at::TensorList keys, at::
   });
 }
 #line 1 "modeling_memoryformer/csrc/cpu/decode_tokens.h"
-// A decode step of generate's loop from its tokens: the embedding, every decoder layer and the final norm in one call.
+// generate's decode steps from their tokens: the embedding, every decoder layer and the final norm in one call, over
+// operands and a KV cache held here between the steps of one loop.
 // A part of the fused CPU kernel: one translation unit, the parts concatenated in the order of
 // csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 // ------------------------------------------------------------------------------------------------ decode tokens
-// decode_loop._StackSession's step: x = embed[ids] (nn.Embedding's forward: the rows copied), the rotary rows of
+// A step of decode_loop._StackSession (through decode_session_step, below): x = embed[ids] (nn.Embedding's forward: the rows copied), the rotary rows of
 // `position` (cos and sin the tables [positions, r], every sequence at that position) or cos and sin as decode_stack
 // takes them ([N or 1, 1, r], position -1), decode_stack (no mask: every key), then, where `final_norm`, the final
 // layer norm (ATen's kernel, the values of torch.layer_norm over the last dimension, as nn.LayerNorm). In Python
@@ -3342,7 +3344,7 @@ at::Tensor decode_stack_static_op(const at::Tensor& x, at::TensorList keys, at::
 // 22-35 us, per step). A token outside [0, embeddings) writes nothing and returns an empty output and no keys or
 // values (a 1-D output, where a step's is [N, hidden]): the caller declines the step, and the module path raises
 // its error.
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_tokens_op(
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_tokens(
     const at::Tensor& ids, const at::Tensor& embed, at::TensorList keys, at::TensorList values, const at::Tensor& cos,
     const at::Tensor& sin, int64_t position, int64_t num_heads, double scaling,
     const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats, at::IntArrayRef ints,
@@ -3376,6 +3378,106 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
                                                    floats, ints, owned);
   if (final_norm) h = aten_layer_norm(h, norm_weight, norm_bias, norm_eps);
   return {h, std::move(new_keys), std::move(new_values)};
+}
+
+// ------------------------------------------------------------------------------------------------ decode sessions
+// decode_tokens's operands (per layer 12 tensors, 5 floats and 9 ints, decode_stack's) and the layers' keys and
+// values, held here from decode_session_open to decode_session_close, so that a step passes its tokens alone: the
+// operand lists cost 18 us (MF-small, 144 tensors) to 37 us (MF-base) per call to convert, warm, and the keys and
+// values it returned as many Python objects again, which the loop then stored into the cache's layers. The loop
+// (decode_loop.py) takes the keys and values at the close and stores them into its cache then: only transformers' own
+// callbacks run between the steps, which read nothing of the cache. Sessions are numbered per process; each is run
+// by one loop at a time.
+struct DecodeSession {
+  at::Tensor embed, cos, sin;
+  std::vector<at::Tensor> keys, values;
+  c10::List<std::optional<at::Tensor>> tensors;
+  std::vector<double> floats;
+  std::vector<int64_t> ints, owned;
+  int64_t num_heads = 0;
+  double scaling = 1.0;
+  bool final_norm = false;
+  std::optional<at::Tensor> norm_weight, norm_bias;
+  double norm_eps = 0.0;
+};
+
+struct DecodeSessions {
+  std::mutex m;
+  std::map<int64_t, std::shared_ptr<DecodeSession>> open;
+  int64_t next = 1;
+};
+
+DecodeSessions& decode_sessions() {
+  static DecodeSessions sessions;
+  return sessions;
+}
+
+// A session over the cache's keys and values (the views decode_stack returned last for their buffers, so that a
+// step may grow them in place), the embedding, the rotary tables cos and sin [positions, r], decode_stack's operands
+// and the final norm; returns its number.
+int64_t decode_session_open_op(const at::Tensor& embed, at::TensorList keys, at::TensorList values,
+                               const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double scaling,
+                               const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats,
+                               at::IntArrayRef ints, bool final_norm, const std::optional<at::Tensor>& norm_weight,
+                               const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+  TORCH_CHECK(keys.size() == values.size(), "memoryformer.decode_session_open: ", keys.size(), " layers of keys, ",
+              values.size(), " of values");
+  auto s = std::make_shared<DecodeSession>();
+  s->embed = embed;
+  s->cos = cos;
+  s->sin = sin;
+  s->keys = keys.vec();
+  s->values = values.vec();
+  s->tensors = tensors.copy();
+  s->floats = floats.vec();
+  s->ints = ints.vec();
+  s->owned.assign(keys.size(), 1);
+  s->num_heads = num_heads;
+  s->scaling = scaling;
+  s->final_norm = final_norm;
+  s->norm_weight = norm_weight;
+  s->norm_bias = norm_bias;
+  s->norm_eps = norm_eps;
+  DecodeSessions& all = decode_sessions();
+  std::lock_guard<std::mutex> lock(all.m);
+  const int64_t id = all.next++;
+  all.open.emplace(id, std::move(s));
+  return id;
+}
+
+std::shared_ptr<DecodeSession> decode_session(const char* op, int64_t id, bool close) {
+  DecodeSessions& all = decode_sessions();
+  std::lock_guard<std::mutex> lock(all.m);
+  const auto it = all.open.find(id);
+  TORCH_CHECK(it != all.open.end(), op, ": no open decode session ", id, " (closed already, or never opened)");
+  auto s = it->second;
+  if (close) all.open.erase(it);
+  return s;
+}
+
+// One step of session `id` for `ids` [N, 1]: at `position` of the session's rotary tables, or (position -1) at the
+// rows cos and sin [N, 1, r]. Returns decode_tokens's output: [N, hidden], or a 1-D empty tensor where a token lies
+// outside the vocabulary (nothing written: the session's keys and values stay the last step's).
+at::Tensor decode_session_step_op(int64_t id, const at::Tensor& ids, int64_t position,
+                                  const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
+  const char* op = "memoryformer.decode_session_step";
+  const auto s = decode_session(op, id, false);
+  TORCH_CHECK((position >= 0) != (cos.has_value() && sin.has_value()), op, ": give a position of the session's rotary "
+              "tables or the rows cos and sin (position -1), got position ", position);
+  auto [h, keys, values] = decode_tokens(ids, s->embed, s->keys, s->values, cos ? *cos : s->cos, sin ? *sin : s->sin,
+                                         position, s->num_heads, s->scaling, s->tensors, s->floats, s->ints, s->owned,
+                                         s->final_norm, s->norm_weight, s->norm_bias, s->norm_eps);
+  if (h.dim() == 2) {
+    s->keys = std::move(keys);
+    s->values = std::move(values);
+  }
+  return h;
+}
+
+// Ends session `id`: its layers' keys and values as its last step left them.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> decode_session_close_op(int64_t id) {
+  const auto s = decode_session("memoryformer.decode_session_close", id, true);
+  return {std::move(s->keys), std::move(s->values)};
 }
 #line 1 "modeling_memoryformer/csrc/cpu/introspection.h"
 // Introspection: the kernel's facts and settings.
@@ -3558,7 +3660,8 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("decode_block", &decode_block_op);
   m.impl("decode_stack", &decode_stack_op);
   m.impl("decode_stack_static", &decode_stack_static_op);
-  m.impl("decode_tokens", &decode_tokens_op);
+  m.impl("decode_session_open", &decode_session_open_op);
+  m.impl("decode_session_step", &decode_session_step_op);
   m.impl("rowwise_adagrad_step", &rowwise_adagrad_step_op);
   m.impl("adam_rowwise_step", &adam_rowwise_step_op);
 }
@@ -3569,6 +3672,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_max", &linear_rows_max_op);
   m.impl("linear_rows_balance", &linear_rows_balance_op);
   m.impl("linear_rows_prefetch", &linear_rows_prefetch_op);
+  m.impl("decode_session_close", &decode_session_close_op);
   m.impl("release_gradient_pool", &release_gradient_pool);
   m.impl("isa", &isa_op);
   m.impl("machine_info", &machine_info_op);

@@ -67,11 +67,13 @@ OP_SCHEMAS = {
     "decode_stack_static": "(Tensor x, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor(c!)[] lengths, Tensor? mask, "
                            "Tensor cos, Tensor sin, int num_heads, float scaling, Tensor?[] tensors, float[] floats, "
                            "int[] ints) -> Tensor",
-    # generate's decode step from its tokens: the embedding, decode_stack and the final norm in one call.
-    "decode_tokens": "(Tensor ids, Tensor embed, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, int position, "
-                     "int num_heads, float scaling, Tensor?[] tensors, float[] floats, int[] ints, int[] owned, "
-                     "bool final_norm, Tensor? norm_weight, Tensor? norm_bias, float norm_eps) "
-                     "-> (Tensor, Tensor[], Tensor[])",
+    # generate's decode steps from their tokens (the embedding, decode_stack and the final norm in one call), over
+    # operands and keys and values held by the kernel from the open to the close.
+    "decode_session_open": "(Tensor embed, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, int num_heads, "
+                           "float scaling, Tensor?[] tensors, float[] floats, int[] ints, bool final_norm, "
+                           "Tensor? norm_weight, Tensor? norm_bias, float norm_eps) -> int",
+    "decode_session_step": "(int session, Tensor ids, int position, Tensor? cos=None, Tensor? sin=None) -> Tensor",
+    "decode_session_close": "(int session) -> (Tensor[], Tensor[])",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",
     "machine_info": "() -> int[]",
@@ -182,12 +184,6 @@ def _register_fakes(namespace: str) -> None:
     def _decode_stack(x, keys, values, *args):
         grown = [torch.cat([k, k[:, :, :1]], dim=-2) for k in keys]
         return torch.empty_like(x), grown, [torch.cat([v, v[:, :, :1]], dim=-2) for v in values]
-
-    @fake("decode_tokens")
-    def _decode_tokens(ids, embed, keys, values, *args):
-        grown = [torch.cat([k, k[:, :, :1]], dim=-2) for k in keys]
-        out = embed.new_empty((ids.shape[0], embed.shape[1]))
-        return out, grown, [torch.cat([v, v[:, :, :1]], dim=-2) for v in values]
 
     @fake("decode_stack_static")
     def _decode_stack_static(x, keys, values, lengths, *args):

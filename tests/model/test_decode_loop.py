@@ -354,23 +354,43 @@ def test_a_greedy_step_takes_its_logits_and_tokens_from_one_head_pass(monkeypatc
 
 @pytest.mark.parametrize("bad", [128, -1])
 def test_a_token_outside_the_vocabulary_makes_the_session_decline_and_write_nothing(bad):
-    """The session's step (decode_tokens: the embedding, the layers and the final norm in one call) checks every token
-    before it writes: one outside [0, vocabulary) returns None, the cache as it was, and the module path then raises
-    the model's error; the next step in range runs."""
+    """The session's step (the kernel's decode_session_step: the embedding, the layers and the final norm in one call)
+    checks every token before it writes: one outside [0, vocabulary) returns None and leaves the keys and values as
+    the last step left them, which the cache takes when the session closes; the module path then raises the model's
+    error. The cache's layers take the session's keys and values at the close, not before."""
     model = tiny_model(attn_implementation="sdpa")  # vocabulary of 128
     length = UNPADDED.shape[1]
     with torch.inference_mode():
         cache = model(UNPADDED, use_cache=True).past_key_values
         positions = torch.full((2, 1), length)
-        first = torch.tensor([[5], [9]])
-        assert decode_loop.decode_stack_run(model, first, None, positions, cache, None, None, {}) is not None
+        assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
         assert session.ok
-        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         assert session.step(torch.tensor([[5], [bad]]), positions + 1, length + 1) is None
+        session.close()
         for layer, (keys, values) in zip(cache.layers, before):
             assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
         with pytest.raises(ValueError, match=f"token id {bad}, outside the vocabulary"):
             model(torch.tensor([[5], [bad]]), past_key_values=cache, position_ids=positions + 1)
+        session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
         hidden = session.step(torch.tensor([[5], [127]]), positions + 1, length + 1)
-        assert hidden.shape == (2, 1, model.config.hidden_size) and cache.get_seq_length() == length + 2
+        assert hidden.shape == (2, 1, model.config.hidden_size) and cache.get_seq_length() == length + 1
+        session.close()
+        assert cache.get_seq_length() == length + 2
+        with pytest.raises(RuntimeError, match="no open decode session"):
+            memory_ops.fused_ops().decode_session_close(session.session)
+
+
+def test_a_session_dropped_without_its_close_ends_in_the_kernel():
+    model = tiny_model(attn_implementation="sdpa")
+    length = UNPADDED.shape[1]
+    with torch.inference_mode():
+        cache = model(UNPADDED, use_cache=True).past_key_values
+        positions = torch.full((2, 1), length)
+        assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+        session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
+        number = session.session
+        del session
+        with pytest.raises(RuntimeError, match="no open decode session"):
+            memory_ops.fused_ops().decode_session_close(number)

@@ -24,7 +24,8 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("decode_block", &decode_block_op);
   m.impl("decode_stack", &decode_stack_op);
   m.impl("decode_stack_static", &decode_stack_static_op);
-  m.impl("decode_tokens", &decode_tokens_op);
+  m.impl("decode_session_open", &decode_session_open_op);
+  m.impl("decode_session_step", &decode_session_step_op);
   m.impl("rowwise_adagrad_step", &rowwise_adagrad_step_op);
   m.impl("adam_rowwise_step", &adam_rowwise_step_op);
 }
@@ -35,6 +36,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_max", &linear_rows_max_op);
   m.impl("linear_rows_balance", &linear_rows_balance_op);
   m.impl("linear_rows_prefetch", &linear_rows_prefetch_op);
+  m.impl("decode_session_close", &decode_session_close_op);
   m.impl("release_gradient_pool", &release_gradient_pool);
   m.impl("isa", &isa_op);
   m.impl("machine_info", &machine_info_op);

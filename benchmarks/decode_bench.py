@@ -271,9 +271,10 @@ class StepClock:
     """Records when each step reaches the LM head, changing nothing: MemoryFormer's head class (`MemoryFormerLMHead`)
     with its `forward` and `logits_and_argmax` wrapped for the call (a hook on the head would make MemoryFormer's loop
     call the head as a module and take the argmax apart, and a logits processor of one's own would make it check the
-    model again at every step, modeling_memoryformer/decode_loop.py); any other head (the twin's) with a forward
-    pre-hook; where the step is compiled (a hook would be traced into it), as a logits processor (called with the
-    step's logits)."""
+    model again at every step, modeling_memoryformer/decode_loop.py), and the loop's session steps that run the head's
+    pass inside their kernel call (`_StackSession.step` with the head: recorded as the step starts, so one time per
+    step either way); any other head (the twin's) with a forward pre-hook; where the step is compiled (a hook would be
+    traced into it), as a logits processor (called with the step's logits)."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -296,7 +297,10 @@ class StepClock:
             return {"logits_processor": LogitsProcessorList([self])}, None
         head = model.get_output_embeddings()
         if type(head) is MemoryFormerLMHead:
-            return {}, _ClassWrap(MemoryFormerLMHead, ("forward", "logits_and_argmax"), self.times)
+            from modeling_memoryformer.decode_loop import _StackSession
+
+            return {}, _ClassWrap(MemoryFormerLMHead, ("forward", "logits_and_argmax"), self.times,
+                                  (_StackSession, "step", lambda session, *args: session.head is not None))
         return {}, head.register_forward_pre_hook(self.hook)
 
     def step_seconds(self) -> list[float]:
@@ -306,19 +310,23 @@ class StepClock:
 
 class _ClassWrap:
     """`names` of class `cls` replaced by wrappers that append perf_counter() to `times` before each call, until
-    remove() (a hook handle's interface)."""
+    remove() (a hook handle's interface); `also` (a class, a method name, a test of the call's arguments): that method
+    wrapped too, timed where the test holds."""
 
-    def __init__(self, cls, names, times: list):
-        self.cls, self.saved = cls, {name: cls.__dict__[name] for name in names}
-        for name, method in self.saved.items():
-            def timed(*args, _method=method, **kwargs):
-                times.append(time.perf_counter())
+    def __init__(self, cls, names, times: list, also=None):
+        self.saved = [(cls, name, cls.__dict__[name], None) for name in names]
+        if also is not None:
+            self.saved.append((also[0], also[1], also[0].__dict__[also[1]], also[2]))
+        for owner, name, method, test in self.saved:
+            def timed(*args, _method=method, _test=test, **kwargs):
+                if _test is None or _test(*args):
+                    times.append(time.perf_counter())
                 return _method(*args, **kwargs)
-            setattr(cls, name, timed)
+            setattr(owner, name, timed)
 
     def remove(self) -> None:
-        for name, method in self.saved.items():
-            setattr(self.cls, name, method)
+        for owner, name, method, _ in self.saved:
+            setattr(owner, name, method)
 
 
 def generate_kwargs(path: str) -> dict:

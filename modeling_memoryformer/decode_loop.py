@@ -38,9 +38,11 @@ from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .decode_layer import _CPU_KEYS, _ROOM, DynamicLayer, decode_stack_run, fused_ops, unhooked
-from .memory_ops import argmax_rows
+from .memory_ops import _few_rows, argmax_rows
 from .transformers_compat import CACHE_NAMES, generation_loop_known
 
+_FUSED_HEAD = True  # sessions end each step with the LM head's pass where they may (False: the head called apart,
+# for timing the two apart)
 _LOOP_KEYWORDS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "use_cache", *CACHE_NAMES})
 _KEYS, _VALUES = attrgetter("keys"), attrgetter("values")
 
@@ -86,9 +88,11 @@ class _StackSession:
     callbacks that run between the steps read nothing of the cache, and a step that finds its layers' views replaced
     declines. Where every sequence is at the same position (`same`: no padding), a step reads the rotary rows of
     `top` from the kernel's copy of the table, and the loop need not advance the positions tensor while the session
-    runs."""
+    runs. Given the LM head (greedy search with nothing to process the logits, a `MemoryFormerLMHead` whose few-row
+    pass takes the step, after a fused final norm), each step ends with the head's pass and its argmax in the same
+    call and returns (logits [batch, 1, vocabulary], picks [batch, 1]); else the hidden states [batch, 1, hidden]."""
 
-    def __init__(self, lm, cache, batch: int, positions: torch.Tensor, top: int):
+    def __init__(self, lm, cache, batch: int, positions: torch.Tensor, top: int, head: nn.Module | None = None):
         self.ok = False
         model = lm.model
         embed, dropout, rotary, norm = (model._modules.get(name) for name in
@@ -110,31 +114,36 @@ class _StackSession:
         # the final norm in the same call where it is nn.LayerNorm over the hidden size (its forward's F.layer_norm)
         self.fused_norm = type(norm) is nn.LayerNorm and tuple(norm.normalized_shape) == (embed.weight.shape[1],)
         final = (True, norm.weight, norm.bias, norm.eps) if self.fused_norm else (False, None, None, 0.0)
+        self.head = head if self.fused_norm else None
         ops = fused_ops()
         self.session = ops.decode_session_open(embed.weight, self.keys, self.values, self.cos, self.sin, heads, scaling,
-                                               tensors, floats, ints, *final)
+                                               tensors, floats, ints, *final, *((head.weight, head.bias) if self.head
+                                                                                 else (None, None)))
         self.dropped = weakref.finalize(self, _drop_session, self.session)
         self.run = ops.decode_session_step.default.redispatch
         self.same = bool(positions.eq(top).all())
         self.ok = True
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, top: int):
-        """The last hidden states (after the final norm) of the next decode step, or None where the session does
-        not cover it (a position past the rotary table, a token outside the vocabulary, a cache changed)."""
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, top: int, head: nn.Module | None = None):
+        """The last hidden states (after the final norm) of the next decode step, or for a session with the LM head
+        (`head`, the one it was opened with) its (logits, picks); None where the session does not cover the step (a
+        position past the rotary table, a token outside the vocabulary, a cache changed, the session's head not given)."""
         layers = self.layers
-        if (top >= self.cos.shape[0] or self.cache.layers is not layers
+        if (top >= self.cos.shape[0] or self.cache.layers is not layers or (self.head is not None and head is not self.head)
                 or not all(map(is_, map(_KEYS, layers), self.keys)) or not all(map(is_, map(_VALUES, layers), self.values))):
             return None
         if self.same:  # every sequence at `top` (positions may lag behind: the loop does not advance them)
-            out = self.run(_CPU_KEYS, self.session, ids, top)  # row `top` of the kernel's rotary tables
+            out, picks = self.run(_CPU_KEYS, self.session, ids, top)  # row `top` of the kernel's rotary tables
         else:
             rows = positions.view(-1)
             shape = (ids.shape[0], 1, self.cos.shape[-1])
-            out = self.run(_CPU_KEYS, self.session, ids, -1, self.cos.index_select(0, rows).view(shape),
-                           self.sin.index_select(0, rows).view(shape))
+            out, picks = self.run(_CPU_KEYS, self.session, ids, -1, self.cos.index_select(0, rows).view(shape),
+                                  self.sin.index_select(0, rows).view(shape))
         if out.dim() != 2:
             return None  # a token outside the vocabulary: nothing written, the module path raises its error
         out = out.view(ids.shape[0], 1, -1)
+        if self.head is not None:
+            return out, picks.view(ids.shape[0], 1)
         return out if self.fused_norm else type(self.norm).forward(self.norm, out)
 
     def close(self) -> None:
@@ -234,7 +243,14 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                 if logits is None:  # a decode step: the last tokens (input_ids[:, -1:]) at the next positions
                     step = next_tokens.view(-1, 1) if column is None else column
                     direct = own_forward and unhooked(self)  # else the module call, with its hooks
-                    hidden = session.step(step, positions, top) if session is not None and direct else None
+                    head = self.lm_head  # its pass gives the picks where nothing processes the logits
+                    fused_head = greedy and type(head) is MemoryFormerLMHead and unhooked(head)
+                    hidden = None
+                    if session is not None and direct:
+                        hidden = session.step(step, positions, top, head if fused_head and _FUSED_HEAD else None)
+                        if type(hidden) is tuple:  # the head ran in the step: (logits, picks)
+                            logits, picked = hidden
+                            hidden = logits
                     if session is not None and hidden is None:
                         session.close()
                         session = None
@@ -248,10 +264,11 @@ def sample(self, input_ids, logits_processor, stopping_criteria, generation_conf
                         if run is not None:
                             hidden = run[0]
                             if quiet and ones:
-                                session = _StackSession(self, cache, step.shape[0], positions, top)
+                                with_head = fused_head and _FUSED_HEAD and _few_rows(hidden, head.weight, head.bias)
+                                session = _StackSession(self, cache, step.shape[0], positions, top,
+                                                        head if with_head else None)
                                 session = session if session.ok else None
-                    head = self.lm_head
-                    if hidden is not None and greedy and type(head) is MemoryFormerLMHead and unhooked(head):
+                    if hidden is not None and picked is None and fused_head:
                         both = head.logits_and_argmax(hidden)  # the logits and their argmax in one pass
                         if both is not None:  # [batch, 1, vocab] and [batch, 1], unsliced: greedy search without
                             logits, picked = both  # processors reads the picks alone (a view: a few us here)

@@ -48,10 +48,10 @@ CPP_SOURCE = r"""#line 1 "modeling_memoryformer/csrc/cpu/prelude.h"
 //       decoder layer of a decode step in one call (decode_qkv, the cache's growth, decode_attention, decode_block).
 // - decode_stack_static(x, keys[], values[], lengths[], mask?, cos, sin, heads, scaling, operands...) -> out: the same
 //       over a static cache's buffers, written in place at each layer's length (see static_stack.h).
-// - decode_session_open(embed, keys[], values[], cos, sin, heads, scaling, operands..., final norm) -> id;
-//   decode_session_step(id, ids[N, 1], position, cos?, sin?) -> out; decode_session_close(id) -> (keys[], values[]):
-//       generate's decode steps from their tokens, the embedding and the final norm with decode_stack in one call, over
-//       operands and a KV cache held between the steps (see decode_tokens.h).
+// - decode_session_open(embed, keys[], values[], cos, sin, heads, scaling, operands..., final norm, LM head?) -> id;
+//   decode_session_step(id, ids[N, 1], position, cos?, sin?) -> (out, tokens); decode_session_close(id) -> (keys[],
+//       values[]): generate's decode steps from their tokens, the embedding, the final norm and the LM head's pass
+//       with decode_stack in one call, over operands and a KV cache held between the steps (see decode_tokens.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").
@@ -3397,7 +3397,7 @@ struct DecodeSession {
   int64_t num_heads = 0;
   double scaling = 1.0;
   bool final_norm = false;
-  std::optional<at::Tensor> norm_weight, norm_bias;
+  std::optional<at::Tensor> norm_weight, norm_bias, head_weight, head_bias;
   double norm_eps = 0.0;
 };
 
@@ -3413,13 +3413,16 @@ DecodeSessions& decode_sessions() {
 }
 
 // A session over the cache's keys and values (the views decode_stack returned last for their buffers, so that a
-// step may grow them in place), the embedding, the rotary tables cos and sin [positions, r], decode_stack's operands
-// and the final norm; returns its number.
+// step may grow them in place), the embedding, the rotary tables cos and sin [positions, r], decode_stack's operands,
+// the final norm and, for greedy search, the LM head (its weight [vocabulary, hidden] and bias: each step then ends
+// with linear_rows_argmax, the logits and their argmax in one pass); returns its number.
 int64_t decode_session_open_op(const at::Tensor& embed, at::TensorList keys, at::TensorList values,
                                const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, double scaling,
                                const c10::List<std::optional<at::Tensor>>& tensors, at::ArrayRef<double> floats,
                                at::IntArrayRef ints, bool final_norm, const std::optional<at::Tensor>& norm_weight,
-                               const std::optional<at::Tensor>& norm_bias, double norm_eps) {
+                               const std::optional<at::Tensor>& norm_bias, double norm_eps,
+                               const std::optional<at::Tensor>& head_weight,
+                               const std::optional<at::Tensor>& head_bias) {
   TORCH_CHECK(keys.size() == values.size(), "memoryformer.decode_session_open: ", keys.size(), " layers of keys, ",
               values.size(), " of values");
   auto s = std::make_shared<DecodeSession>();
@@ -3438,6 +3441,8 @@ int64_t decode_session_open_op(const at::Tensor& embed, at::TensorList keys, at:
   s->norm_weight = norm_weight;
   s->norm_bias = norm_bias;
   s->norm_eps = norm_eps;
+  s->head_weight = head_weight;
+  s->head_bias = head_bias;
   DecodeSessions& all = decode_sessions();
   std::lock_guard<std::mutex> lock(all.m);
   const int64_t id = all.next++;
@@ -3456,10 +3461,12 @@ std::shared_ptr<DecodeSession> decode_session(const char* op, int64_t id, bool c
 }
 
 // One step of session `id` for `ids` [N, 1]: at `position` of the session's rotary tables, or (position -1) at the
-// rows cos and sin [N, 1, r]. Returns decode_tokens's output: [N, hidden], or a 1-D empty tensor where a token lies
+// rows cos and sin [N, 1, r]. Returns decode_tokens's output [N, hidden] and no tokens (an empty tensor), or, for a
+// session with the LM head, the logits [N, vocabulary] and their argmax [N]; a 1-D empty output where a token lies
 // outside the vocabulary (nothing written: the session's keys and values stay the last step's).
-at::Tensor decode_session_step_op(int64_t id, const at::Tensor& ids, int64_t position,
-                                  const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
+std::tuple<at::Tensor, at::Tensor> decode_session_step_op(int64_t id, const at::Tensor& ids, int64_t position,
+                                                          const std::optional<at::Tensor>& cos,
+                                                          const std::optional<at::Tensor>& sin) {
   const char* op = "memoryformer.decode_session_step";
   const auto s = decode_session(op, id, false);
   TORCH_CHECK((position >= 0) != (cos.has_value() && sin.has_value()), op, ": give a position of the session's rotary "
@@ -3467,11 +3474,11 @@ at::Tensor decode_session_step_op(int64_t id, const at::Tensor& ids, int64_t pos
   auto [h, keys, values] = decode_tokens(ids, s->embed, s->keys, s->values, cos ? *cos : s->cos, sin ? *sin : s->sin,
                                          position, s->num_heads, s->scaling, s->tensors, s->floats, s->ints, s->owned,
                                          s->final_norm, s->norm_weight, s->norm_bias, s->norm_eps);
-  if (h.dim() == 2) {
-    s->keys = std::move(keys);
-    s->values = std::move(values);
-  }
-  return h;
+  if (h.dim() != 2) return {h, at::empty({0}, ids.options())};
+  s->keys = std::move(keys);
+  s->values = std::move(values);
+  if (s->head_weight.has_value()) return linear_rows_argmax_op(h, *s->head_weight, s->head_bias);
+  return {h, at::empty({0}, ids.options())};
 }
 
 // Ends session `id`: its layers' keys and values as its last step left them.

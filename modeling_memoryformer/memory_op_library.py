@@ -71,8 +71,10 @@ OP_SCHEMAS = {
     # operands and keys and values held by the kernel from the open to the close.
     "decode_session_open": "(Tensor embed, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, int num_heads, "
                            "float scaling, Tensor?[] tensors, float[] floats, int[] ints, bool final_norm, "
-                           "Tensor? norm_weight, Tensor? norm_bias, float norm_eps) -> int",
-    "decode_session_step": "(int session, Tensor ids, int position, Tensor? cos=None, Tensor? sin=None) -> Tensor",
+                           "Tensor? norm_weight, Tensor? norm_bias, float norm_eps, Tensor? head_weight=None, "
+                           "Tensor? head_bias=None) -> int",
+    "decode_session_step": "(int session, Tensor ids, int position, Tensor? cos=None, Tensor? sin=None) "
+                           "-> (Tensor, Tensor)",
     "decode_session_close": "(int session) -> (Tensor[], Tensor[])",
     "plan": "(int tokens, int num_tables, int rows_per_table, int out_features, ScalarType dtype, bool backward) "
             "-> str",

@@ -320,8 +320,10 @@ def test_sequences_at_different_positions_under_an_all_ones_mask(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_greedy_step_takes_its_logits_and_tokens_from_one_head_pass(monkeypatch, dtype):
     """Greedy search with nothing to process: every decode step on the direct path gets its logits and tokens from one
-    pass of the LM head (`MemoryFormerLMHead.logits_and_argmax`), and the tokens are the standard loop's. A hook on
-    the head, a logits processor or sampling: the head's module call and a separate argmax, as before."""
+    pass of the LM head, and the tokens are the standard loop's: the first decode step (the checked path) from
+    `MemoryFormerLMHead.logits_and_argmax`, the session's steps from the same pass at the end of their kernel call
+    (decode_session_step), or from that method where the loop is told to call the head apart (`_FUSED_HEAD`). A hook
+    on the head, a logits processor or sampling: the head's module call and a separate argmax, as before."""
     model = tiny_model(attn_implementation="sdpa").to(dtype)
     calls = []
     both = modeling.MemoryFormerLMHead.logits_and_argmax
@@ -333,8 +335,16 @@ def test_a_greedy_step_takes_its_logits_and_tokens_from_one_head_pass(monkeypatc
 
     monkeypatch.setattr(modeling.MemoryFormerLMHead, "logits_and_argmax", counting)
     counts = same_as_standard(model, monkeypatch, UNPADDED)
-    assert calls == [True] * (NEW - 1) and counts["session"] + counts["stack"] == NEW - 1
-    plain = generate(model, UNPADDED)
+    assert calls == [True] and counts == {"loop": 1, "session": NEW - 2, "stack": 1}
+    plain = generate(model, UNPADDED)  # (transformers' loop: same_as_standard leaves it in place)
+    monkeypatch.undo()
+    for fused_head, called in ((False, NEW - 1), (True, 1)):
+        monkeypatch.setattr(decode_loop, "_FUSED_HEAD", fused_head)
+        monkeypatch.setattr(modeling.MemoryFormerLMHead, "logits_and_argmax", counting)
+        calls.clear()
+        assert torch.equal(generate(model, UNPADDED), plain)
+        assert calls == [True] * called
+        monkeypatch.undo()
     monkeypatch.setattr(modeling.MemoryFormerLMHead, "logits_and_argmax", counting)
     calls.clear()
     seen = []

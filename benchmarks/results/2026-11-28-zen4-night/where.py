@@ -1,5 +1,7 @@
 """Where a bf16 MemoryFormer's decode step goes: timers around the decode loop's stack call and the LM head's fused
-pass (class-level wrappers, as decode_bench's StepClock), with a read probe before each `generate` call.
+pass (class-level wrappers, as decode_bench's StepClock), with a read probe before each `generate` call. Since
+2026-11-29g the loop's session steps run the head's pass in their own kernel call; here they leave it to its own call
+(`decode_loop._FUSED_HEAD = False`), so that the two are timed apart.
 
     PYTHONPATH=. .venv/bin/python benchmarks/results/2026-11-28-zen4-night/where.py base [calls, default 6]
 """
@@ -37,6 +39,7 @@ def timed(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
+decode_loop._FUSED_HEAD = False  # the session's steps leave the head to its own call, which is timed apart
 timed(decode_loop._StackSession, "step", "stack")
 timed(MemoryFormerLMHead, "logits_and_argmax", "head")
 ids = torch.randint(0, model.config.vocab_size - 1, (1, 16))

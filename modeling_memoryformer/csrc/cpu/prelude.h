@@ -38,10 +38,10 @@
 //       decoder layer of a decode step in one call (decode_qkv, the cache's growth, decode_attention, decode_block).
 // - decode_stack_static(x, keys[], values[], lengths[], mask?, cos, sin, heads, scaling, operands...) -> out: the same
 //       over a static cache's buffers, written in place at each layer's length (see static_stack.h).
-// - decode_session_open(embed, keys[], values[], cos, sin, heads, scaling, operands..., final norm) -> id;
-//   decode_session_step(id, ids[N, 1], position, cos?, sin?) -> out; decode_session_close(id) -> (keys[], values[]):
-//       generate's decode steps from their tokens, the embedding and the final norm with decode_stack in one call, over
-//       operands and a KV cache held between the steps (see decode_tokens.h).
+// - decode_session_open(embed, keys[], values[], cos, sin, heads, scaling, operands..., final norm, LM head?) -> id;
+//   decode_session_step(id, ids[N, 1], position, cos?, sin?) -> (out, tokens); decode_session_close(id) -> (keys[],
+//       values[]): generate's decode steps from their tokens, the embedding, the final norm and the LM head's pass
+//       with decode_stack in one call, over operands and a KV cache held between the steps (see decode_tokens.h).
 // - release_gradient_pool() -> bytes freed (see "Gradient memory").
 // - rowwise_adagrad_step / adam_rowwise_step(weight, grad, states..., hyperparameters) -> (): one update of a
 //       table by the row-wise rules of the table optimizers, in place (see "table optimizers").

@@ -12,10 +12,12 @@ loop (tests/model/test_decode_loop.py compares them under greedy search and samp
 and a streamer). Where the stack declines a step (a hook, a replaced module, another attention implementation...),
 that step is the module call with those inputs. While only transformers' own processors, stopping criteria and
 streamers run between steps (they read token ids and scores, nothing of the model), `_StackSession` skips the
-re-derivation of what the last checked step read, and the maximum-length and EOS stopping criteria are decided from
-the step's length and new tokens (called only where one of them decides), and `input_ids` grows by the new tokens in
-one cat where something reads it; a callback of another class makes every step check again. Greedy tokens come from `memory_ops.argmax_rows` (torch.argmax's index, faster; from the logits
-themselves where no processor needs their float32 copy).
+re-derivation of what the last checked step read and runs each step as one call of the fused kernel (the embedding,
+every layer, the final norm and, for greedy search, the LM head's pass with its argmax), the maximum-length and EOS
+stopping criteria are decided from the step's length and new tokens (called only where one of them decides), and
+`input_ids` grows by the new tokens in one cat where something reads it; a callback of another class makes every step
+check again. Greedy tokens come from the LM head's pass (`linear_rows_argmax`) or `memory_ops.argmax_rows`
+(torch.argmax's index, faster; from the logits themselves where no processor needs their float32 copy).
 
 Taken only where nothing of the standard loop is skipped that could show: on the CPU, no `return_dict_in_generate`
 (scores, logits, attentions, hidden states to collect), no `synced_gpus`, no assistant, no compiled step, a plain
@@ -127,9 +129,11 @@ class _StackSession:
     def step(self, ids: torch.Tensor, positions: torch.Tensor, top: int, head: nn.Module | None = None):
         """The last hidden states (after the final norm) of the next decode step, or for a session with the LM head
         (`head`, the one it was opened with) its (logits, picks); None where the session does not cover the step (a
-        position past the rotary table, a token outside the vocabulary, a cache changed, the session's head not given)."""
+        position past the rotary table, a token outside the vocabulary, a cache changed, the session's head not
+        given)."""
         layers = self.layers
-        if (top >= self.cos.shape[0] or self.cache.layers is not layers or (self.head is not None and head is not self.head)
+        if (top >= self.cos.shape[0] or self.cache.layers is not layers
+                or (self.head is not None and head is not self.head)
                 or not all(map(is_, map(_KEYS, layers), self.keys)) or not all(map(is_, map(_VALUES, layers), self.values))):
             return None
         if self.same:  # every sequence at `top` (positions may lag behind: the loop does not advance them)

@@ -3334,16 +3334,16 @@ at::Tensor decode_stack_static_op(const at::Tensor& x, at::TensorList keys, at::
 // csrc/cpu/parts.txt (see prelude.h); it uses what the parts before it define.
 
 // ------------------------------------------------------------------------------------------------ decode tokens
-// A step of decode_loop._StackSession (through decode_session_step, below): x = embed[ids] (nn.Embedding's forward: the rows copied), the rotary rows of
-// `position` (cos and sin the tables [positions, r], every sequence at that position) or cos and sin as decode_stack
-// takes them ([N or 1, 1, r], position -1), decode_stack (no mask: every key), then, where `final_norm`, the final
-// layer norm (ATen's kernel, the values of torch.layer_norm over the last dimension, as nn.LayerNorm). In Python
-// these were four ATen calls around decode_stack (the embedding, two rotary rows, the norm): each took 5-30 us right
-// after the LM head, whose 50-100 MB stream evicts their code and data from the caches, where the same calls take
-// 2-5 us warm (MF-small bfloat16 on the 2-vCPU Zen 4 of docs/performance.md: the embedding 24-45 us, the norm
-// 22-35 us, per step). A token outside [0, embeddings) writes nothing and returns an empty output and no keys or
-// values (a 1-D output, where a step's is [N, hidden]): the caller declines the step, and the module path raises
-// its error.
+// A step of decode_loop._StackSession (through decode_session_step, below): x = embed[ids] (nn.Embedding's forward:
+// the rows copied), the rotary rows of `position` (cos and sin the tables [positions, r], every sequence at that
+// position) or cos and sin as decode_stack takes them ([N or 1, 1, r], position -1), decode_stack (no mask: every
+// key), then, where `final_norm`, the final layer norm (ATen's kernel, the values of torch.layer_norm over the last
+// dimension, as nn.LayerNorm). In Python these were four ATen calls around decode_stack (the embedding, two rotary
+// rows, the norm): each took 5-30 us right after the LM head, whose 50-100 MB stream evicts their code and data from
+// the caches, where the same calls take 2-5 us warm (MF-small bfloat16 on the 2-vCPU Zen 4 of docs/performance.md:
+// the embedding 24-45 us, the norm 22-35 us, per step). A token outside [0, embeddings) writes nothing and returns an
+// empty output and no keys or values (a 1-D output, where a step's is [N, hidden]): the caller declines the step, and
+// the module path raises its error.
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_tokens(
     const at::Tensor& ids, const at::Tensor& embed, at::TensorList keys, at::TensorList values, const at::Tensor& cos,
     const at::Tensor& sin, int64_t position, int64_t num_heads, double scaling,

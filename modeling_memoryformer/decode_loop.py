@@ -151,18 +151,19 @@ class _StackSession:
         return out if self.fused_norm else type(self.norm).forward(self.norm, out)
 
     def close(self) -> None:
-        """Ends the kernel's session: the cache's layers take the views its last step returned, and the `_ROOM` marks
-        move to them from the views the session started from (the latest views of their buffers, whoever holds them
-        now)."""
+        """Ends the kernel's session: the cache's layers take the views its last step returned (a layer whose views
+        someone replaced meanwhile keeps theirs), and the `_ROOM` marks move to them from the views the session
+        started from (the latest views of their buffers, whoever holds them now)."""
         if self.ok:
             self.ok = False
             self.dropped.detach()
             keys, values = fused_ops().decode_session_close(self.session)
             for view in self.keys + self.values:
                 vars(view).pop(_ROOM, None)
-            for layer, key, value in zip(self.layers, keys, values):
-                layer.keys, layer.values = key, value
-                vars(key)[_ROOM] = vars(value)[_ROOM] = True
+            for layer, start_key, start_value, key, value in zip(self.layers, self.keys, self.values, keys, values):
+                if layer.keys is start_key and layer.values is start_value:
+                    layer.keys, layer.values = key, value
+                    vars(key)[_ROOM] = vars(value)[_ROOM] = True
 
 
 def _eos_ids(stopping_criteria) -> frozenset | None:

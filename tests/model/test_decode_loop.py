@@ -404,3 +404,23 @@ def test_a_session_dropped_without_its_close_ends_in_the_kernel():
         del session
         with pytest.raises(RuntimeError, match="no open decode session"):
             memory_ops.fused_ops().decode_session_close(number)
+
+
+def test_a_layer_whose_views_were_replaced_during_a_session_keeps_them_at_the_close():
+    """The cache's layers keep the session's starting views until it closes; a step that finds one replaced declines,
+    and the close leaves the replacement in place while the other layers take the session's last views."""
+    model = tiny_model(attn_implementation="sdpa")
+    length = UNPADDED.shape[1]
+    with torch.inference_mode():
+        cache = model(UNPADDED, use_cache=True).past_key_values
+        positions = torch.full((2, 1), length)
+        assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+        session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
+        assert session.step(torch.tensor([[5], [9]]), positions + 1, length + 1) is not None
+        first = cache.layers[0]
+        mine = (first.keys.clone(), first.values.clone())
+        first.keys, first.values = mine
+        assert session.step(torch.tensor([[5], [9]]), positions + 2, length + 2) is None
+        session.close()
+        assert first.keys is mine[0] and first.values is mine[1]
+        assert all(layer.keys.shape[2] == length + 2 for layer in cache.layers[1:])

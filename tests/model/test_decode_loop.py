@@ -362,6 +362,16 @@ def test_a_greedy_step_takes_its_logits_and_tokens_from_one_head_pass(monkeypatc
     assert calls == []
 
 
+def after_a_checked_step(model):
+    """(cache, positions, prompt length) after UNPADDED's prefill and one decode step on the checked path
+    (decode_stack_run), which a session starts from; under inference mode."""
+    length = UNPADDED.shape[1]
+    cache = model(UNPADDED, use_cache=True).past_key_values
+    positions = torch.full((2, 1), length)
+    assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+    return cache, positions, length
+
+
 @pytest.mark.parametrize("bad", [128, -1])
 def test_a_token_outside_the_vocabulary_makes_the_session_decline_and_write_nothing(bad):
     """The session's step (the kernel's decode_session_step: the embedding, the layers and the final norm in one call)
@@ -369,11 +379,8 @@ def test_a_token_outside_the_vocabulary_makes_the_session_decline_and_write_noth
     the last step left them, which the cache takes when the session closes; the module path then raises the model's
     error. The cache's layers take the session's keys and values at the close, not before."""
     model = tiny_model(attn_implementation="sdpa")  # vocabulary of 128
-    length = UNPADDED.shape[1]
     with torch.inference_mode():
-        cache = model(UNPADDED, use_cache=True).past_key_values
-        positions = torch.full((2, 1), length)
-        assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+        cache, positions, length = after_a_checked_step(model)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
         assert session.ok
@@ -394,11 +401,8 @@ def test_a_token_outside_the_vocabulary_makes_the_session_decline_and_write_noth
 
 def test_a_session_dropped_without_its_close_ends_in_the_kernel():
     model = tiny_model(attn_implementation="sdpa")
-    length = UNPADDED.shape[1]
     with torch.inference_mode():
-        cache = model(UNPADDED, use_cache=True).past_key_values
-        positions = torch.full((2, 1), length)
-        assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+        cache, positions, length = after_a_checked_step(model)
         session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
         number = session.session
         del session
@@ -410,11 +414,8 @@ def test_a_layer_whose_views_were_replaced_during_a_session_keeps_them_at_the_cl
     """The cache's layers keep the session's starting views until it closes; a step that finds one replaced declines,
     and the close leaves the replacement in place while the other layers take the session's last views."""
     model = tiny_model(attn_implementation="sdpa")
-    length = UNPADDED.shape[1]
     with torch.inference_mode():
-        cache = model(UNPADDED, use_cache=True).past_key_values
-        positions = torch.full((2, 1), length)
-        assert decode_loop.decode_stack_run(model, torch.tensor([[5], [9]]), None, positions, cache, None, None, {})
+        cache, positions, length = after_a_checked_step(model)
         session = decode_loop._StackSession(model, cache, 2, positions + 1, length + 1)
         assert session.step(torch.tensor([[5], [9]]), positions + 1, length + 1) is not None
         first = cache.layers[0]

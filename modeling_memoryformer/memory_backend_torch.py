@@ -131,6 +131,13 @@ def linear_rows_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return y, argmax_rows(y)
 
 
+def decode_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                      eps: float, path: str = "auto") -> torch.Tensor:
+    """The decode ops' layer norm over the last dimension: torch.layer_norm's values (nn.LayerNorm's). `path` chooses
+    between the fused CPU kernel's two ways to them; here there is one."""
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float) -> torch.Tensor:
     """Attention of one query position per sequence: q [B, H, 1, D], k and v [B, Hkv, T, D], mask None, bool (true:
@@ -177,5 +184,6 @@ TORCH_BACKEND = types.SimpleNamespace(
     name="torch",
     **{kernel.__name__: kernel for kernel in (hash, hash_backward, lookup, lookup_backward, lookup_backward_rows,
                                               int8_lookup, linear_rows, argmax_rows, linear_rows_argmax, decode_attention,
+                                              decode_layer_norm,
                                               rowwise_adagrad_step, adam_rowwise_step)},
 )

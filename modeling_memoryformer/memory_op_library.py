@@ -40,6 +40,8 @@ OP_SCHEMAS = {
     "linear_rows_argmax": "(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",  # both in one pass
     # Attention of one query position per sequence over its KV cache (a decode step).
     "decode_attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scaling) -> Tensor",
+    # The decode ops' layer norm over the last dimension: torch.layer_norm's values (csrc/cpu/layer_norm.h).
+    "decode_layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps, str path=\"auto\") -> Tensor",
     # The row-wise table optimizers' steps, in place.
     "rowwise_adagrad_step": "(Tensor(a!) weight, Tensor grad, Tensor(b!) state_sum, float lr, float eps, "
                             "float weight_decay) -> ()",
@@ -172,6 +174,10 @@ def _register_fakes(namespace: str) -> None:
     @fake("decode_attention")
     def _decode_attention(q, k, v, mask, scaling):
         return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+
+    @fake("decode_layer_norm")
+    def _decode_layer_norm(x, weight, bias, eps, path="auto"):
+        return torch.empty_like(x)
 
     @fake("decode_qkv")
     def _decode_qkv(x, norm_weight, norm_bias, eps, norm, tables, bias, hash_bits, score, temperature, cos, sin,

@@ -14,16 +14,6 @@
 // and lookup, the rotation with the roundings of its element-wise ops), so the layer's output is bit-identical to the
 // modules' (tests compare the two).
 
-// ATen's layer_norm over the last dimension of a CPU tensor, its CPU kernel called directly: at::layer_norm is
-// composite (it calls native_layer_norm through the dispatcher, which calls this), so the values are its values,
-// without two dispatches (a few microseconds each, more when the LM head's stream has evicted their code). For the
-// decode ops, which run below autograd (under CPU autocast, which casts layer_norm's inputs, the dispatched call).
-at::Tensor aten_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                           const std::optional<at::Tensor>& bias, double eps) {
-  if (at::autocast::is_autocast_enabled(at::kCPU)) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
-  return std::get<0>(at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps));
-}
-
 // The block norm: "layernorm" (ATen's layer_norm, as nn.LayerNorm) or "rmsnorm" (MemoryFormerRMSNorm's ops).
 at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        double eps, c10::string_view kind) {

@@ -20,6 +20,7 @@ MEMORYFORMER_LIBRARY_IMPL(MEMORYFORMER_OPS, CPU, m) {
   m.impl("argmax_rows", &argmax_rows_op);
   m.impl("linear_rows_argmax", &linear_rows_argmax_op);
   m.impl("decode_attention", &decode_attention_op);
+  m.impl("decode_layer_norm", &decode_layer_norm_op);
   m.impl("decode_qkv", &decode_qkv_op);
   m.impl("decode_block", &decode_block_op);
   m.impl("decode_stack", &decode_stack_op);

@@ -18,11 +18,14 @@ from modeling_memoryformer.memory_kernel_source import CPP_SOURCE
 
 TIMERS = r"""#include <x86intrin.h>
 extern "C" {
+extern int mf_mode;
 double mf_t[32];
 long long mf_n[32];
 void mf_read(double* o) { for (int i = 0; i < 32; ++i) { o[i] = mf_t[i]; o[32 + i] = double(mf_n[i]); } }
 void mf_reset() { for (int i = 0; i < 32; ++i) { mf_t[i] = 0; mf_n[i] = 0; } }
 unsigned long long mf_tsc() { return __rdtsc(); }
+int mf_mode = 0;   // 1: the decode ops' layer norms through ATen's kernel (the code before 2026-11-29h); 2: trials
+void mf_set_mode(int m) { mf_mode = m; }
 }
 struct MfT {
   int k; unsigned long long t0;
@@ -38,7 +41,9 @@ EDITS = [
      "const std::optional<at::Tensor>& bias, double eps) {\n"
      "  static const bool twice = std::getenv(\"MF_NORM_TWICE\") != nullptr;\n"
      "  if (twice) (void)at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps);\n"
-     "  MfT _t(0);\n  if (at::autocast"),
+     "  MfT _t(0);\n"
+     "  if (mf_mode == 1) return std::get<0>(at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps));\n"
+     "  if (at::autocast"),
     ("  hash_kernel<T>(x.data_ptr<T>(), s.rows.data(), s.scores.data(), N, K, tau, l1, temperature);",
      "  { MfT _t(1); hash_kernel<T>(x.data_ptr<T>(), s.rows.data(), s.scores.data(), N, K, tau, l1, temperature); }"),
     ("  lookup_kernel<T>(s.rows.data(), s.scores.data(), tables.data_ptr<T>(), b, out.data_ptr<T>(), N, K, D);",
@@ -58,6 +63,13 @@ EDITS = [
     ("    const int64_t t = 12 * l, f = 5 * l, i = 9 * l;\n",
      "    const int64_t t = 12 * l, f = 5 * l, i = 9 * l;\n"
      "    if (std::getenv(\"MF_FORK_PROBE\")) { MfT _t(14); at::parallel_for(0, 2, 1, [](int64_t, int64_t) {}); }\n"),
+    ("    if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar)) prefetch_span<2>(p, w);",
+     "    if (mf_mode & 2) {   // trial: the first span's pass fetches each row's whole range of the unit into L2\n"
+     "      if (k + kRowsFar < K) { if (c0 == cb) prefetch_span<2>(tables + rn[k + kRowsFar] * stride + cb, ce - cb); }\n"
+     "      else if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar))\n"
+     "        prefetch_span<2>(p, w);\n"
+     "    } else if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar))\n"
+     "      prefetch_span<2>(p, w);"),
     ("  if (gelu) y = at::gelu(y);", "  if (gelu) { MfT _t(13); y = at::gelu(y); }"),
     ('  const char* op = "memoryformer.decode_stack";\n', '  const char* op = "memoryformer.decode_stack";\n  MfT _t(9);\n'),
     ('  const char* op = "memoryformer.decode_tokens";\n', '  const char* op = "memoryformer.decode_tokens";\n  MfT _t(10);\n'),
@@ -95,6 +107,8 @@ def main() -> None:
     torch.set_num_threads(2)
     preset = sys.argv[1] if len(sys.argv) > 1 else "base"
     calls = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    ab = "--ab" in sys.argv   # alternate mode 0 and ab_mode call by call (1: the layer norms through ATen)
+    ab_mode = int(sys.argv[sys.argv.index("--ab") + 1]) if ab and len(sys.argv) > sys.argv.index("--ab") + 1 else 1
     model = build_in_dtype("mf", preset, "bf16")
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, model.config.vocab_size - 1, (1, 16))
@@ -103,6 +117,8 @@ def main() -> None:
     print(f"tsc {hz / 1e9:.3f} GHz; per decode step in us (calls per step)", flush=True)
     for call in range(calls + 1):
         probe = memory_read_gbps(repeats=2)
+        mode = (call % 2) * ab_mode if ab else 0
+        lib.mf_set_mode(mode)
         with torch.inference_mode():
             model.generate(ids, **kwargs)   # the first runs the prefill and 32 steps; the timers hold the steps only
             lib.mf_reset()
@@ -117,7 +133,7 @@ def main() -> None:
         parts = sum(us[k] for k in (0, 1, 2, 3, 4, 5, 6, 8, 13))
         line = ", ".join(f"{NAMES[k]} {us[k]:.0f}" + (f" ({out[32 + k] / steps:.0f})" if k in (0, 1, 8, 14) else "")
                          for k in NAMES)
-        print(f"probe {probe:.1f} GB/s, generate {total * 1e3:.0f} ms, {steps:.0f} steps: {line}; stack less its parts "
+        print(f"{f'mode {mode}, ' if ab else ''}probe {probe:.1f} GB/s, generate {total * 1e3:.0f} ms, {steps:.0f} steps: {line}; stack less its parts "
               f"{us[9] - parts:.0f}", flush=True)
 
 

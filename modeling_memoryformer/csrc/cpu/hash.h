@@ -37,8 +37,12 @@ void hash_kernel(const X* x, int64_t* rows, typename Acc<X>::type* scores, int64
   const int64_t D = K * tau;
   const A c = static_cast<A>(2.0 / temperature);
   parallel_tokens(N, N * D * 16, [=](int64_t begin, int64_t end) {
-    std::vector<A> z(D), prod(K), norm(K);
-    std::vector<int32_t> code(K);
+    // The thread's buffers, kept between calls (a decode step hashes one row per Memory Layer: four allocations of a
+    // few KB per call otherwise). Every value is written before it is read.
+    static thread_local std::vector<A> z, prod, norm;
+    static thread_local std::vector<int32_t> code;
+    if (static_cast<int64_t>(z.size()) < D) z.resize(D);
+    if (static_cast<int64_t>(prod.size()) < K) { prod.resize(K); norm.resize(K); code.resize(K); }
     for (int64_t n = begin; n < end; ++n) {
       // Transposed: zt[i * K + k] = value i of chunk k, so that the passes below read contiguous vectors of K values
       // instead of a stride-tau gather per lane. Written row by row (contiguous stores, strided loads), which is

@@ -100,6 +100,8 @@ inline uint16_t bf16_bits_rounded(float y) {   // to nearest even; a NaN to 0xff
 // y[r] = layer_norm(x[r]) over rows of N bfloat16 values (all contiguous, weight and bias [N]).
 void rows_layer_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, float eps,
                           int64_t rows, int64_t N, c10::BFloat16* y) {
+  prefetch_span(weight, N);   // cold after the step's streams: their reads overlap the moments' sums
+  prefetch_span(bias, N);
   for (int64_t r = 0; r < rows; ++r) {
     const c10::BFloat16* xr = x + r * N;
     const auto [mean, var] = rowwise_moments_bf16(xr, N);
@@ -111,12 +113,14 @@ void rows_layer_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* weight, c
   }
 }
 
+// Set when a width's check fails: every later call goes to ATen.
+std::atomic<bool> layer_norm_check_failed{false};
+
 // Whether rows_layer_norm_bf16 gives ATen's bits for width N here (checked at the first call for N).
-bool layer_norm_verified(int64_t N, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+bool layer_norm_check(int64_t N, const at::Tensor& weight, const at::Tensor& bias, double eps) {
   static std::mutex m;
   static std::map<int64_t, bool> known;
-  static std::atomic<bool> any_failed{false};
-  if (any_failed.load(std::memory_order_relaxed)) return false;
+  if (layer_norm_check_failed.load()) return false;
   std::lock_guard<std::mutex> lock(m);
   const auto it = known.find(N);
   if (it != known.end()) return it->second;
@@ -138,8 +142,20 @@ bool layer_norm_verified(int64_t N, const at::Tensor& weight, const at::Tensor& 
                        out.data_ptr<c10::BFloat16>());
   const bool same = std::memcmp(ref.data_ptr(), out.data_ptr(), size_t(kRows * N) * sizeof(c10::BFloat16)) == 0;
   known.emplace(N, same);
-  if (!same) any_failed.store(true);
+  if (!same) layer_norm_check_failed.store(true);
   return same;
+}
+
+bool layer_norm_verified(int64_t N, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  static thread_local int64_t last_verified[2] = {0, 0};   // this thread's last widths found verified
+  if ((N == last_verified[0] || N == last_verified[1]) && !layer_norm_check_failed.load(std::memory_order_relaxed))
+    return true;
+  const bool verified = layer_norm_check(N, weight, bias, eps);
+  if (verified) {
+    last_verified[1] = last_verified[0];
+    last_verified[0] = N;
+  }
+  return verified;
 }
 
 // Whether rows_layer_norm_bf16 applies to x, weight and bias: a build for x86 with FMA, contiguous bfloat16 rows of

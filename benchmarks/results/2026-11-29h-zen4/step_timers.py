@@ -35,10 +35,11 @@ struct MfT {
 """
 NAMES = {0: "norms", 1: "hashes", 2: "lookup QKV", 3: "lookup block 1", 4: "lookup block 2", 5: "rotation",
          6: "growth", 7: "attention", 8: "adds", 13: "gelu", 9: "decode_stack", 10: "decode_tokens", 11: "head",
-         12: "session step", 14: "empty parallel_for"}
+         12: "session step", 14: "empty parallel_for",
+         15: "layer operands", 16: "attend checks", 18: "tokens prologue"}
 EDITS = [
-    ("const std::optional<at::Tensor>& bias, double eps) {\n  if (at::autocast",
-     "const std::optional<at::Tensor>& bias, double eps) {\n"
+    ("const std::optional<at::Tensor>& bias, double eps, at::Tensor* into = nullptr) {\n  if (at::autocast",
+     "const std::optional<at::Tensor>& bias, double eps, at::Tensor* into = nullptr) {\n"
      "  static const bool twice = std::getenv(\"MF_NORM_TWICE\") != nullptr;\n"
      "  if (twice) (void)at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps);\n"
      "  MfT _t(0);\n"
@@ -70,6 +71,16 @@ EDITS = [
      "        prefetch_span<2>(p, w);\n"
      "    } else if (const T* p = span_ahead(tables, stride, rn, rnext, K, k, c0, cb, ce, w, kRowsFar))\n"
      "      prefetch_span<2>(p, w);"),
+    ("    const at::Tensor tables_qkv = required(t + 2), tables1 = required(t + 6), tables2 = required(t + 10);",
+     "    MfT* _t15 = new MfT(15);\n"
+     "    const at::Tensor tables_qkv = required(t + 2), tables1 = required(t + 6), tables2 = required(t + 10);"),
+    ("    at::Tensor qkv;\n", "    delete _t15;\n    at::Tensor qkv;\n"),
+    ("    const int64_t N = x.size(0), d = x.size(1), D = d / num_heads;\n",
+     "    MfT* _t16 = new MfT(16);\n    const int64_t N = x.size(0), d = x.size(1), D = d / num_heads;\n"),
+    ("    if (lean && !masked) {\n", "    delete _t16;\n    if (lean && !masked) {\n"),
+    ("  at::Tensor c = cos, s = sin;\n", "  MfT* _t18 = new MfT(18);\n  at::Tensor c = cos, s = sin;\n"),
+    ("  auto [h, new_keys, new_values] = decode_stack_op(x, keys, values, std::nullopt, c, s,",
+     "  delete _t18;\n  auto [h, new_keys, new_values] = decode_stack_op(x, keys, values, std::nullopt, c, s,"),
     ("  if (gelu) y = at::gelu(y);", "  if (gelu) { MfT _t(13); y = at::gelu(y); }"),
     ('  const char* op = "memoryformer.decode_stack";\n', '  const char* op = "memoryformer.decode_stack";\n  MfT _t(9);\n'),
     ('  const char* op = "memoryformer.decode_tokens";\n', '  const char* op = "memoryformer.decode_tokens";\n  MfT _t(10);\n'),

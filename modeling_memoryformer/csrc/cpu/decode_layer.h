@@ -14,9 +14,10 @@
 // and lookup, the rotation with the roundings of its element-wise ops), so the layer's output is bit-identical to the
 // modules' (tests compare the two).
 
-// The block norm: "layernorm" (ATen's layer_norm, as nn.LayerNorm) or "rmsnorm" (MemoryFormerRMSNorm's ops).
+// The block norm: "layernorm" (ATen's layer_norm, as nn.LayerNorm; into: see aten_layer_norm) or "rmsnorm"
+// (MemoryFormerRMSNorm's ops).
 at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       double eps, c10::string_view kind) {
+                       double eps, c10::string_view kind, at::Tensor* into = nullptr) {
   if (kind == "rmsnorm") {
     const auto dtype = x.scalar_type();
     auto h = x.to(at::promote_types(dtype, at::kFloat));
@@ -25,7 +26,7 @@ at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   TORCH_CHECK(kind == "layernorm", "memoryformer.decode_layer: unknown norm '", std::string(kind), "' (the config's "
               "norm_type takes 'layernorm' or 'rmsnorm')");
-  return aten_layer_norm(x, weight, bias, eps);
+  return aten_layer_norm(x, weight, bias, eps, into);
 }
 
 // A Memory Layer on x [N, d] (contiguous): the hash and lookup ops (memory_ops.inference_lookup), or the hash and
@@ -119,17 +120,19 @@ at::Tensor decode_qkv_op(const at::Tensor& x, const at::Tensor& norm_weight, con
 // The decoder layer's step after its attention, in the order the modules run it: h = x + attn, the post-attention
 // norm (of h, or of x with a parallel residual), Memory Layer 1, GELU where the block has it, the inner norm, Memory
 // Layer 2, then h + its output. `steps` supplies the residual adds, add(a, b, last) = a + b (`last`: the final add,
-// which may write into a), and the Memory Layers, layer(x, 1 or 2): decode_block's ATen ops, or the lean layer's
-// kernels and loops, which give the same values.
+// which may write into a), the Memory Layers, layer(x, 1 or 2), and the norms' outputs, norm_into(1 or 2) (a scratch
+// tensor or nullptr: see aten_layer_norm): decode_block's ATen ops, or the lean layer's kernels and loops, which give
+// the same values.
 template <typename Steps>
 at::Tensor block_step(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& norm_weight,
                       const std::optional<at::Tensor>& norm_bias, double eps, c10::string_view norm,
                       bool parallel_residual, bool gelu, const at::Tensor& inner_weight,
                       const std::optional<at::Tensor>& inner_bias, double inner_eps, Steps& steps) {
   const auto h = steps.add(x, attn, false);
-  auto y = steps.layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm).contiguous(), 1);
+  auto y = steps.layer(decode_norm(parallel_residual ? x : h, norm_weight, norm_bias, eps, norm, steps.norm_into(1))
+                           .contiguous(), 1);
   if (gelu) y = at::gelu(y);
-  y = aten_layer_norm(y, inner_weight, inner_bias, inner_eps).contiguous();
+  y = aten_layer_norm(y, inner_weight, inner_bias, inner_eps, steps.norm_into(2)).contiguous();
   return steps.add(h, steps.layer(y, 2), true);
 }
 
@@ -153,6 +156,7 @@ at::Tensor decode_block_op(const at::Tensor& x, const at::Tensor& attn, const at
     c10::string_view score;
     double temperature;
     at::Tensor add(const at::Tensor& a, const at::Tensor& b, bool) { return a + b; }
+    at::Tensor* norm_into(int) { return nullptr; }
     at::Tensor layer(const at::Tensor& in, int which) {
       return which == 1 ? decode_memory_layer(in, t1, b1, tau1, score, temperature)
                         : decode_memory_layer(in, t2, b2, tau2, score, temperature);
@@ -173,6 +177,8 @@ struct LeanScratch {
   std::vector<int64_t> rows;
   std::vector<float> scores;
   at::Tensor qkv, y1, y2, attn;   // reused by every layer of one call (shapes checked by lean_tables)
+  at::Tensor normed, inner;       // the norms' outputs [N, d] and [N, d1] (aten_layer_norm's rows path writes them)
+  at::Tensor residual[2];         // the layers' outputs h in turn: a layer's input is the other one (or the call's x)
 };
 
 // Whether a Memory Layer of `in` inputs and `out` outputs runs lean: tables [K << tau, out] of `dtype`, contiguous,
@@ -243,10 +249,16 @@ at::Tensor lean_block(const at::Tensor& x, const at::Tensor& attn, const at::Ten
     double temperature;
     LeanScratch& s;
     at::Tensor add(const at::Tensor& a, const at::Tensor& b, bool last) {
-      at::Tensor out = last ? a : at::empty_like(a, at::MemoryFormat::Contiguous);
+      at::Tensor out = a;
+      if (!last) {   // h = x + attn into the residual buffer that is not x's
+        at::Tensor& r = s.residual[s.residual[0].defined() && s.residual[0].data_ptr() == a.data_ptr() ? 1 : 0];
+        if (!r.defined() || r.sizes() != a.sizes()) r = at::empty(a.sizes(), a.options());
+        out = r;
+      }
       lean_add(a, b, out);
       return out;
     }
+    at::Tensor* norm_into(int which) { return which == 1 ? &s.normed : &s.inner; }
     at::Tensor layer(const at::Tensor& in, int which) {
       at::Tensor& out = which == 1 ? s.y1 : s.y2;
       lean_memory_layer(in, which == 1 ? t1 : t2, which == 1 ? b1 : b2, which == 1 ? tau1 : tau2, l1, temperature,
@@ -303,7 +315,8 @@ at::Tensor stack_layers(const char* op, const at::Tensor& x, int64_t L, const at
     if (lean) {
       if (!scratch.qkv.defined()) scratch.qkv = at::empty({N, 3 * d}, x.options());
       qkv = scratch.qkv;
-      lean_memory_layer(decode_norm(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i])).contiguous(),
+      lean_memory_layer(decode_norm(h, required(t), tensor(t + 1), floats[f], pick(norms, ints[i]), &scratch.normed)
+                            .contiguous(),
                         tables_qkv, tensor(t + 3), ints[i + 1], ints[i + 2] == 1, floats[f + 1], qkv, scratch);
       rotate_qk(qkv, cos, sin, num_heads);
     } else {

@@ -187,12 +187,20 @@ at::Tensor layer_norm_rows(const at::Tensor& x, const at::Tensor& weight, const 
 // it applies and its width is verified, else ATen's CPU kernel called directly (at::layer_norm is composite: it calls
 // native_layer_norm through the dispatcher, which calls this, so the values are its values without two dispatches).
 // For the decode ops, which run below autograd (under CPU autocast, which casts layer_norm's inputs, the dispatched
-// call).
+// call). `into` (optional): a contiguous tensor of x's shape and dtype that the rows path writes and returns instead of
+// a new one (a decode step's scratch: an allocation cost about 0.5 us per norm there).
 at::Tensor aten_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                           const std::optional<at::Tensor>& bias, double eps) {
+                           const std::optional<at::Tensor>& bias, double eps, at::Tensor* into = nullptr) {
   if (at::autocast::is_autocast_enabled(at::kCPU)) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
-  if (layer_norm_rows_apply(x, weight, bias) && layer_norm_verified(x.size(-1), *weight, *bias, eps))
-    return layer_norm_rows(x, *weight, *bias, eps);
+  if (layer_norm_rows_apply(x, weight, bias) && layer_norm_verified(x.size(-1), *weight, *bias, eps)) {
+    if (into == nullptr) return layer_norm_rows(x, *weight, *bias, eps);
+    if (!into->defined() || into->sizes() != x.sizes() || into->scalar_type() != x.scalar_type())
+      *into = at::empty(x.sizes(), x.options());
+    rows_layer_norm_bf16(x.data_ptr<c10::BFloat16>(), weight->data_ptr<c10::BFloat16>(),
+                         bias->data_ptr<c10::BFloat16>(), float(eps), x.numel() / x.size(-1), x.size(-1),
+                         into->data_ptr<c10::BFloat16>());
+    return *into;
+  }
   return std::get<0>(at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps));
 }
 

@@ -249,6 +249,31 @@ def test_a_cache_passed_in_holds_the_standard_keys_and_values_and_continues(monk
     assert all(decode_layer._ROOM in vars(layer.keys) for layer in fast_cache.layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_session_past_its_buffers_room_moves_them_and_keeps_the_standard_cache(monkeypatch, dtype):
+    """The kernel's session writes each step's keys and values into its buffers in place (csrc/cpu/decode_tokens.h,
+    SessionKV), which have room for 64 positions past the first step's: here 79 steps of one session (positions
+    101-179, the rotary table made for 202 at the first step) cross it, and the buffers move mid-session. Tokens and
+    every layer's keys and values equal transformers' loop on the modules."""
+    model = tiny_model(attn_implementation="sdpa").to(dtype)
+    prompt = torch.randint(1, 128, (2, 100), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        return generate(model, prompt, max_new_tokens=80, **{CACHE_FIELD: cache}), cache
+
+    runs = counted(monkeypatch)
+    fast, fast_cache = run()
+    assert runs == {"loop": 1, "session": 78, "stack": 1}
+    monkeypatch.undo()
+    standard_loop(monkeypatch)
+    modules_only(monkeypatch)
+    slow, slow_cache = run()
+    assert torch.equal(fast, slow)
+    for a, b in zip(fast_cache.layers, slow_cache.layers):
+        assert a.keys.shape[-2] == 179 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_positions_past_the_rotary_table_reopen_the_session(monkeypatch):
     model = tiny_model(attn_implementation="sdpa")
     prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -2927,7 +2927,7 @@ inline void add_moments8(int64_t m0_add, const float* a1, const float* a2, int64
 inline std::pair<float, float> rowwise_moments_bf16(const c10::BFloat16* X, int64_t N) {
   constexpr int64_t kVec = 16, kChunk = 16, kDepth = 64;
   const int64_t n = N / kVec, m = (n + kChunk - 1) / kChunk;
-  int64_t depth = 0;   // utils::CeilLog2(m)
+  int64_t depth = 0;   // utils::CeilLog2(m), which gives 1 for m <= 2: depths 0 and 1 run the same
   while (m > 1 && (int64_t(1) << depth) < m) ++depth;
   int64_t m0s[kDepth] = {0};
   float m1s[kDepth][8] = {}, m2s[kDepth][8] = {};

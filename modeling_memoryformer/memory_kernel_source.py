@@ -3062,11 +3062,16 @@ bool layer_norm_rows_apply(const at::Tensor& x, const std::optional<at::Tensor>&
 #endif
 }
 
-at::Tensor layer_norm_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+// rows_layer_norm_bf16 on x into a new tensor, or into *into (made anew where it is not of x's shape and dtype).
+at::Tensor layer_norm_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps,
+                           at::Tensor* into = nullptr) {
   const int64_t N = x.size(-1);
-  auto y = at::empty(x.sizes(), x.options());
+  at::Tensor y = into != nullptr ? *into : at::Tensor();
+  if (!y.defined() || y.sizes() != x.sizes() || y.scalar_type() != x.scalar_type())
+    y = at::empty(x.sizes(), x.options());
   rows_layer_norm_bf16(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), bias.data_ptr<c10::BFloat16>(),
                        float(eps), x.numel() / N, N, y.data_ptr<c10::BFloat16>());
+  if (into != nullptr) *into = y;
   return y;
 }
 
@@ -3079,15 +3084,8 @@ at::Tensor layer_norm_rows(const at::Tensor& x, const at::Tensor& weight, const 
 at::Tensor aten_layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, double eps, at::Tensor* into = nullptr) {
   if (at::autocast::is_autocast_enabled(at::kCPU)) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
-  if (layer_norm_rows_apply(x, weight, bias) && layer_norm_verified(x.size(-1), *weight, *bias, eps)) {
-    if (into == nullptr) return layer_norm_rows(x, *weight, *bias, eps);
-    if (!into->defined() || into->sizes() != x.sizes() || into->scalar_type() != x.scalar_type())
-      *into = at::empty(x.sizes(), x.options());
-    rows_layer_norm_bf16(x.data_ptr<c10::BFloat16>(), weight->data_ptr<c10::BFloat16>(),
-                         bias->data_ptr<c10::BFloat16>(), float(eps), x.numel() / x.size(-1), x.size(-1),
-                         into->data_ptr<c10::BFloat16>());
-    return *into;
-  }
+  if (layer_norm_rows_apply(x, weight, bias) && layer_norm_verified(x.size(-1), *weight, *bias, eps))
+    return layer_norm_rows(x, *weight, *bias, eps, into);
   return std::get<0>(at::native::layer_norm_cpu(x, {x.size(-1)}, weight, bias, eps));
 }
 

@@ -15,6 +15,9 @@ CUDA events around each:
   a training step of 8 x 512 tokens with fused AdamW, peak GPU memory of each. (The fused row-wise table update, which
   keeps no table-sized gradient, is checked by tests/tools/test_table_optimizer.py's Triton cases, which run on a GPU
   unchanged; it is not timed here yet.)
+- decode: MF-tiny, -small and -base vs their Pythia-shaped twins (the CPU decode benchmark's shapes), bf16, batch 1
+  and 4: ms per step (a 72-token `generate` minus an 8-token one), eager and compiled (static cache, CUDA graphs;
+  batch 1, while `--budget-s` lasts), each step's bytes against the GPU's read bandwidth measured in the same run.
 Targets it reports against: layer forward >= 2x `nn.Linear` in bf16 at d = 1024, 8192 tokens; MF-tiny
 training step >= 1.3x its twin; no table-sized gradient with the fused table update.
 First run on a GPU (an H100, 2026-11-27): benchmarks/results/2026-11-27-h100-gpu-first-run.
@@ -163,6 +166,120 @@ def model_section(device: str, smoke: bool, repeats: int) -> list[dict]:
     return rows
 
 
+def _read_gbps(device: str, smoke: bool) -> float:
+    """The device's read bandwidth: the best of 5 `torch.sum` over a buffer far beyond its caches (2 GB on a GPU)."""
+    import torch
+
+    buf = torch.ones((2**16 if smoke else 2**30), device=device, dtype=torch.bfloat16)
+    timed = _timer(device)
+    best = min(timed(lambda: buf.sum(), 1, warmup=1) for _ in range(5))
+    return round(buf.numel() * buf.element_size() / (best / 1e3) / 1e9, 1)
+
+
+def _build(kind: str, preset: str, device: str, smoke: bool):
+    """MF-<preset> or its Pythia-shaped twin (the decode benchmark's configs), built in bf16 on `device`."""
+    import torch
+    from transformers import GPTNeoXForCausalLM
+
+    from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM
+
+    from .decode_bench import model_config
+
+    config = model_config(kind, preset, "bf16")
+    if smoke:
+        tiny = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=256)
+        if kind == "mf":
+            config = MemoryFormerConfig.from_preset(preset, attn_implementation="sdpa", **tiny)
+        else:
+            config = type(config)(**{**config.to_dict(), **tiny, "intermediate_size": 256})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if smoke else torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = (MemoryFormerForCausalLM if kind == "mf" else GPTNeoXForCausalLM)(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.eos_token_id = None   # every call runs all its steps
+    return model.eval()
+
+
+def _decode_step_ms(model, prompt, kwargs: dict, device: str, repeats: int, steps: tuple[int, int]):
+    """Milliseconds per decode step: the median over `repeats` of (a `steps[1]`-token `generate` - a `steps[0]`-token
+    one) / their difference, so the prefill and `generate`'s setup cancel. The first (untimed) call is the longer one:
+    where the step is compiled it compiles, and its static cache (long enough for both) is reused by the rest."""
+    import torch
+
+    def call(n):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if out.shape[1] != prompt.shape[1] + n:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens, expected {n}")
+        return time.perf_counter() - t0, out
+
+    short, long = steps
+    _, out = call(long)
+    samples = []
+    for _ in range(repeats):
+        a, _ = call(short)
+        b, out = call(long)
+        samples.append((b - a) / (long - short))
+    return 1e3 * statistics.median(samples), out
+
+
+def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | None) -> list[dict]:
+    """Decode at batch 1 and 4 in bf16, MF-tiny/-small/-base against their Pythia-shaped twins, eager `generate`
+    (dynamic cache) and compiled (`compiled_decode_kwargs`: static cache, CUDA graphs), each step's bytes
+    (decode_bench.step_bytes) against the device's read bandwidth measured in the same run. Every eager cell first,
+    then the compiled ones at batch 1 while `budget_s` lasts (a compile of MF-base takes minutes)."""
+    import torch
+
+    from modeling_memoryformer import compiled_decode_kwargs
+
+    from .decode_bench import step_bytes
+
+    started = time.perf_counter()
+    presets = ("tiny",) if smoke else ("tiny", "small", "base")
+    steps, prompt_len = ((4, 36), 8) if smoke else ((8, 72), 16)
+    gbps = _read_gbps(device, smoke)
+    print(json.dumps({"read_gbps": gbps}), flush=True)
+    models = {(kind, preset): _build(kind, preset, device, smoke) for preset in presets for kind in ("mf", "twin")}
+    gen = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(0, 255, (b, prompt_len), generator=gen).to(device) for b in (1, 4)}
+    eager_tokens, rows = {}, []
+    cells = [("eager", b, key) for b in (1, 4) for key in models]
+    cells += [("compiled", 1, key) for key in models]
+    for path, batch, (kind, preset) in cells:
+        row = {"preset": preset, "model": kind, "path": path, "batch": batch}
+        if path == "compiled" and budget_s is not None and time.perf_counter() - started > budget_s:
+            row["skipped"] = f"past the {budget_s:.0f} s budget"
+        else:
+            kwargs = compiled_decode_kwargs(device) if path == "compiled" else {}
+            try:
+                with torch.inference_mode():
+                    ms, out = _decode_step_ms(models[kind, preset], prompts[batch], kwargs, device,
+                                              max(1, repeats), steps)
+                context = prompt_len + sum(steps) / 2
+                nbytes = step_bytes(models[kind, preset], batch, context)["total"]
+                row.update(step_ms=round(ms, 3), tokens_per_s=round(1e3 * batch / ms, 1), step_mb=round(nbytes / 1e6, 1),
+                           share_of_read_bound=round(nbytes / (ms / 1e3) / 1e9 / gbps, 4))
+                if path == "eager":
+                    eager_tokens[batch, kind, preset] = out
+                else:
+                    row["same_tokens_as_eager"] = bool(torch.equal(out, eager_tokens[batch, kind, preset]))
+            except Exception as error:  # one cell's failure is a result, not the end of the run
+                row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        row["elapsed_s"] = round(time.perf_counter() - started, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def run_tests(device: str) -> dict:
     command = [sys.executable, "-m", "pytest", "-q", "tests/kernel/test_triton_backend.py",
                "tests/kernel/test_op_library.py::test_opcheck_pytorch_kernels"]
@@ -175,7 +292,8 @@ def run_tests(device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--sections", nargs="+", default=["layer", "model"], choices=["layer", "model"])
+    parser.add_argument("--sections", nargs="+", default=["layer", "model"], choices=["layer", "model", "decode"])
+    parser.add_argument("--budget-s", type=float, default=None, help="decode: no compiled cell starts after this")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="toy sizes (the CI run of this script on CPU)")
     parser.add_argument("--skip-tests", action="store_true")
@@ -200,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         result["layer"] = layer_section(args.device, args.smoke, args.repeats)
     if "model" in args.sections:
         result["model"] = model_section(args.device, args.smoke, args.repeats)
+    if "decode" in args.sections:
+        result["decode"] = decode_section(args.device, args.smoke, args.repeats, args.budget_s)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)

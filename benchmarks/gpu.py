@@ -16,8 +16,9 @@ CUDA events around each:
   keeps no table-sized gradient, is checked by tests/tools/test_table_optimizer.py's Triton cases, which run on a GPU
   unchanged; it is not timed here yet.)
 - decode: MF-tiny, -small and -base vs their Pythia-shaped twins (the CPU decode benchmark's shapes), bf16, batch 1
-  and 4: ms per step (a 72-token `generate` minus an 8-token one), eager and compiled (static cache, CUDA graphs;
-  batch 1, while `--budget-s` lasts), each step's bytes against the GPU's read bandwidth measured in the same run.
+  and 4 (`--batches`): ms per step (a 72-token `generate` minus an 8-token one), eager and compiled (static cache,
+  CUDA graphs; the first batch size, while `--budget-s` lasts), each step's bytes against the GPU's read bandwidth
+  measured in the same run.
 Targets it reports against: layer forward >= 2x `nn.Linear` in bf16 at d = 1024, 8192 tokens; MF-tiny
 training step >= 1.3x its twin; no table-sized gradient with the fused table update.
 First run on a GPU (an H100, 2026-11-27): benchmarks/results/2026-11-27-h100-gpu-first-run.
@@ -232,11 +233,12 @@ def _decode_step_ms(model, prompt, kwargs: dict, device: str, repeats: int, step
     return 1e3 * statistics.median(samples), out
 
 
-def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | None) -> list[dict]:
+def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | None,
+                   batches: tuple[int, ...] = (1, 4)) -> list[dict]:
     """Decode at batch 1 and 4 in bf16, MF-tiny/-small/-base against their Pythia-shaped twins, eager `generate`
     (dynamic cache) and compiled (`compiled_decode_kwargs`: static cache, CUDA graphs), each step's bytes
     (decode_bench.step_bytes) against the device's read bandwidth measured in the same run. Every eager cell first,
-    then the compiled ones at batch 1 while `budget_s` lasts (a compile of MF-base takes minutes)."""
+    then the compiled ones at the first batch size while `budget_s` lasts (a compile of MF-base takes minutes)."""
     import torch
 
     from modeling_memoryformer import compiled_decode_kwargs
@@ -250,10 +252,10 @@ def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | Non
     print(json.dumps({"read_gbps": gbps}), flush=True)
     models = {(kind, preset): _build(kind, preset, device, smoke) for preset in presets for kind in ("mf", "twin")}
     gen = torch.Generator().manual_seed(0)
-    prompts = {b: torch.randint(0, 255, (b, prompt_len), generator=gen).to(device) for b in (1, 4)}
+    prompts = {b: torch.randint(0, 255, (b, prompt_len), generator=gen).to(device) for b in batches}
     eager_tokens, rows = {}, []
-    cells = [("eager", b, key) for b in (1, 4) for key in models]
-    cells += [("compiled", 1, key) for key in models]
+    cells = [("eager", b, key) for b in batches for key in models]
+    cells += [("compiled", batches[0], key) for key in models]
     for path, batch, (kind, preset) in cells:
         row = {"preset": preset, "model": kind, "path": path, "batch": batch}
         if path == "compiled" and budget_s is not None and time.perf_counter() - started > budget_s:
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--sections", nargs="+", default=["layer", "model"], choices=["layer", "model", "decode"])
     parser.add_argument("--budget-s", type=float, default=None, help="decode: no compiled cell starts after this")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4],
+                        help="decode: batch sizes (compiled: the first)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="toy sizes (the CI run of this script on CPU)")
     parser.add_argument("--skip-tests", action="store_true")
@@ -319,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if "model" in args.sections:
         result["model"] = model_section(args.device, args.smoke, args.repeats)
     if "decode" in args.sections:
-        result["decode"] = decode_section(args.device, args.smoke, args.repeats, args.budget_s)
+        result["decode"] = decode_section(args.device, args.smoke, args.repeats, args.budget_s,
+                                          tuple(args.batches))
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)

@@ -13,9 +13,9 @@ update of the CPU kernel) take one program per row. `linear_rows` (the LM head f
 kernel. `memory_kernels.backend_for` picks this backend for CUDA tensors when triton is
 installed, and for any tensor with MEMORYFORMER_KERNEL=triton.
 
-Not measured on a GPU: no GPU is available where this project is built and tested (see docs/serving.md's sibling
-docs/performance.md for what is measured where). Triton is an optional dependency: nothing here imports it until a
-kernel is first used.
+Measured on GPUs lent for a few minutes (an H100 and an H200: benchmarks/results/*-gpu*; CI has no GPU and runs the
+kernels under Triton's interpreter). Triton is an optional dependency: nothing here imports it until a kernel is first
+used.
 """
 
 from __future__ import annotations
@@ -438,18 +438,22 @@ TRITON_KERNELS = {"hash": hash, "hash_backward": hash_backward, "lookup": lookup
                   "lookup_backward_rows": lookup_backward_rows, "int8_lookup": int8_lookup,
                   "rowwise_adagrad_step": rowwise_adagrad_step, "adam_rowwise_step": adam_rowwise_step}
 
-_registered = False
+def _define_triton_ops() -> None:
+    """Define torch.ops.memoryformer_triton and give it the Triton kernels (Python functions: triton itself is
+    imported when a kernel first runs). Done at import, as the "memoryformer" namespace is: a definition made while
+    torch.compile traces a model (its first Memory Layer call on a GPU inside `generate`'s compiled decode step) is
+    something Dynamo cannot trace."""
+    define_ops(TRITON_NAMESPACE)
+    for name, kernel in TRITON_KERNELS.items():
+        for device in ("cuda", "cpu"):
+            torch.library.register_kernel(f"{TRITON_NAMESPACE}::{name}", device, kernel)
+
+
+_define_triton_ops()
 
 
 def triton_ops():
-    """torch.ops.memoryformer_triton, defined and given its Triton kernels on first use."""
-    global _registered
-    if not _registered:
-        define_ops(TRITON_NAMESPACE)
-        for name, kernel in TRITON_KERNELS.items():
-            for device in ("cuda", "cpu"):
-                torch.library.register_kernel(f"{TRITON_NAMESPACE}::{name}", device, kernel)
-        _registered = True
+    """torch.ops.memoryformer_triton, the ops with their Triton kernels."""
     return namespace_ops(TRITON_NAMESPACE)
 
 

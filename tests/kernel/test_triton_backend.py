@@ -209,3 +209,43 @@ def test_the_fused_forward_hashes_scores_and_gathers_in_one_kernel(score, dtype)
     assert relative(y, want) < tolerance
     for got, expected in zip(grads, want_grads, strict=True):
         assert relative(got, expected) < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+COMPILED_DECODE = """
+import torch
+from modeling_memoryformer import MemoryFormerConfig, MemoryFormerForCausalLM, compiled_decode_kwargs
+from modeling_memoryformer.memory_kernels import backend_for
+device = "cuda" if torch.cuda.is_available() else "cpu"
+config = MemoryFormerConfig.from_preset("tiny", num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                        vocab_size=256)
+torch.manual_seed(0)
+model = MemoryFormerForCausalLM(config).to(device).eval()
+model.generation_config.eos_token_id = None
+assert backend_for(model.model.layers[0].attention.query_key_value.tables).name == "triton"
+ids = torch.randint(0, 255, (2, 8), device=device)
+with torch.inference_mode():
+    eager = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    compiled = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **compiled_decode_kwargs(device))
+assert compiled.shape == (2, 14), compiled.shape
+assert torch.equal(eager, compiled), (eager.tolist(), compiled.tolist())
+print("same tokens")
+"""
+
+
+@pytest.mark.slow
+def test_generate_compiles_its_decode_step_on_the_triton_kernels(tmp_path):
+    """`generate` with `compiled_decode_kwargs` on the Triton backend, in a fresh process (the ops must exist before
+    torch.compile traces the first Memory Layer call: a GPU's compiled decode step failed in Dynamo when they were
+    defined on first use): the compiled step gives the eager step's greedy tokens (CUDA graphs on a GPU; Inductor
+    over Triton's interpreter here)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "compiled_decode.py"
+    script.write_text(COMPILED_DECODE)
+    env = {**os.environ, "MEMORYFORMER_KERNEL": "triton", "TRITON_INTERPRET": "0" if DEVICE == "cuda" else "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900,
+                            cwd=root, check=False)
+    assert result.returncode == 0 and "same tokens" in result.stdout, result.stderr[-3000:]

@@ -211,3 +211,31 @@ def test_a_late_thread_leaves_its_rows_to_the_others_with_the_same_logits_and_to
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="slot must be >= -1"):
         balance(-2, 0)
+
+
+@pytest.mark.parametrize("shape", [(768, 3072), (1024, 4096), (512, 1024)], ids=str)
+def test_a_weight_of_few_rows_and_many_pieces_is_split_over_the_threads(shape):
+    """The few-row pass splits a weight by its pieces (256 KB each), however few its rows: a dense model's down
+    projection ([768, 3072] bfloat16: 18 pieces) ran on one thread under a rule of 1024 rows per thread. With the
+    second thread held back, the first takes pieces of its share; the output is F.linear's."""
+    V, D = shape
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, D, generator=g).to(torch.bfloat16), torch.randn(V, D, generator=g).to(torch.bfloat16)
+    b = torch.randn(V, generator=g).to(torch.bfloat16)
+    op, balance = torch.ops.memoryformer.linear_rows_argmax, torch.ops.memoryformer.linear_rows_balance
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        balance(-1, 0)
+        for _ in range(3):  # the first thread must finish its share while the second sleeps (a busy host: again)
+            balance(1, 200_000)
+            y, t = op(x, w, b)
+            if balance(-1, 0) > 0:
+                break
+        assert balance(-1, 0) > 0, f"no piece of the second thread's share was taken: {shape} ran on one thread"
+    finally:
+        balance(-1, 0)
+        torch.set_num_threads(threads)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(t, torch.argmax(y, dim=-1))

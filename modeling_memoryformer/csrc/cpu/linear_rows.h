@@ -166,8 +166,11 @@ inline void linear_rows_row(const float* x, const T* w, const float* b, O* y, in
 // split finished its half 350-800 us after the other in some processes (the head 3.0-3.2 ms against 2.4-2.5 ms where
 // the halves kept pace; which half was late moved between processes), and on CPUs with cores of two speeds one half
 // always would. A slot's own pieces are contiguous, so its stream and its prefetch run across them as across one
-// range. Each output is one weight row's sum, whoever computes it: the same bits on any split.
-constexpr int64_t kLinearGrain = 1024;              // rows per slot at least
+// range. Each output is one weight row's sum, whoever computes it: the same bits on any split. A weight of two pieces
+// or more is split, however few its rows: a rule of 1024 rows per slot at least (argmax.h's kLinearGrain, for a row
+// of logits) ran a dense model's [768, 3072] and [1024, 4096] matrices (4.7 and 8.4 MB of bfloat16) on one thread, at
+// 9-10 GB/s where the split passes read 16-18 on the 2-vCPU Xeon of benchmarks/results/2026-11-29-xeon-amx.
+constexpr int64_t kLinearGrain = 1024;              // argmax_rows: logits per thread at least
 constexpr int64_t kLinearPieceBytes = 256 << 10;    // weight bytes per piece (rows: a multiple of 8)
 
 // A slot's range of pieces [front, back) in one word, so that its owner (from the front) and another slot (from the
@@ -200,8 +203,7 @@ template <typename T>
 int64_t linear_slots(int64_t D, int64_t V) {
   if (at::in_parallel_region()) return 1;
   const int64_t pieces = (V + linear_piece_rows<T>(D) - 1) / linear_piece_rows<T>(D);
-  return std::max<int64_t>(1, std::min({int64_t(at::get_num_threads()), (V + kLinearGrain - 1) / kLinearGrain,
-                                        pieces}));
+  return std::max<int64_t>(1, std::min(int64_t(at::get_num_threads()), pieces));
 }
 
 template <typename T>

@@ -27,7 +27,7 @@ import torch
 
 from .memory_backend_torch import TORCH_BACKEND
 from .memory_math import HASH_SCORES, acc_dtype, check_hash_parameters
-from .memory_op_library import define_ops, namespace_ops
+from .memory_op_library import _existing_schema, define_ops, namespace_ops
 
 TRITON_NAMESPACE = "memoryformer_triton"
 SCORE_IDS = {name: i for i, name in enumerate(HASH_SCORES)}  # the score by name -> the kernels' constexpr
@@ -438,12 +438,17 @@ TRITON_KERNELS = {"hash": hash, "hash_backward": hash_backward, "lookup": lookup
                   "lookup_backward_rows": lookup_backward_rows, "int8_lookup": int8_lookup,
                   "rowwise_adagrad_step": rowwise_adagrad_step, "adam_rowwise_step": adam_rowwise_step}
 
+
 def _define_triton_ops() -> None:
     """Define torch.ops.memoryformer_triton and give it the Triton kernels (Python functions: triton itself is
     imported when a kernel first runs). Done at import, as the "memoryformer" namespace is: a definition made while
     torch.compile traces a model (its first Memory Layer call on a GPU inside `generate`'s compiled decode step) is
-    something Dynamo cannot trace."""
-    define_ops(TRITON_NAMESPACE)
+    something Dynamo cannot trace. Where another copy of this module defined them first (a saved model's remote code
+    beside the installed package), its kernels stay: registering them again would warn at every such import."""
+    defined_before = _existing_schema(f"{TRITON_NAMESPACE}::hash") is not None
+    define_ops(TRITON_NAMESPACE)   # checks the schemas where they exist
+    if defined_before:
+        return
     for name, kernel in TRITON_KERNELS.items():
         for device in ("cuda", "cpu"):
             torch.library.register_kernel(f"{TRITON_NAMESPACE}::{name}", device, kernel)

@@ -249,3 +249,22 @@ def test_generate_compiles_its_decode_step_on_the_triton_kernels(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900,
                             cwd=root, check=False)
     assert result.returncode == 0 and "same tokens" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_second_copy_of_the_module_keeps_the_first_kernels_without_a_warning():
+    """The ops are defined at import; a saved model's remote code is a second copy of this module in the same process.
+    Its import checks the schemas and leaves the kernels registered: registering them again warned ("Overriding a
+    previously registered kernel") at every such import."""
+    import warnings
+
+    from modeling_memoryformer.memory_backend_triton import _define_triton_ops
+
+    before = triton_ops().hash
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _define_triton_ops()
+    assert triton_ops().hash is before
+    x = torch.randn(3, 8, device=DEVICE)
+    rows, scores = triton_ops().hash(x, 4, "paper", 1.0)
+    want_rows, want_scores = memory_kernels.TORCH_BACKEND.hash(x, 4, "paper", 1.0)
+    assert torch.equal(rows, want_rows) and torch.allclose(scores, want_scores, rtol=1e-5, atol=1e-6)

@@ -247,7 +247,7 @@ def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | Non
 
     started = time.perf_counter()
     presets = ("tiny",) if smoke else ("tiny", "small", "base")
-    steps, prompt_len = ((4, 36), 8) if smoke else ((8, 72), 16)
+    steps, prompt_len = ((4, 132), 8) if smoke else ((8, 72), 16)
     gbps = _read_gbps(device, smoke)
     print(json.dumps({"read_gbps": gbps}), flush=True)
     models = {(kind, preset): _build(kind, preset, device, smoke) for preset in presets for kind in ("mf", "twin")}
@@ -266,6 +266,9 @@ def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | Non
                 with torch.inference_mode():
                     ms, out = _decode_step_ms(models[kind, preset], prompts[batch], kwargs, device,
                                               max(1, repeats), steps)
+                if ms <= 0:  # the longer call was not the slower: noise larger than the steps between them
+                    raise RuntimeError(f"no step time: the {steps[1]}-token calls took no longer than the "
+                                       f"{steps[0]}-token ones (a busy machine, or steps too short to time)")
                 context = prompt_len + sum(steps) / 2
                 nbytes = step_bytes(models[kind, preset], batch, context)["total"]
                 row.update(step_ms=round(ms, 3), tokens_per_s=round(1e3 * batch / ms, 1), step_mb=round(nbytes / 1e6, 1),

@@ -27,7 +27,7 @@ import torch
 
 from .memory_backend_torch import TORCH_BACKEND
 from .memory_math import HASH_SCORES, acc_dtype, check_hash_parameters
-from .memory_op_library import _existing_schema, define_ops, namespace_ops
+from .memory_op_library import define_ops, namespace_ops
 
 TRITON_NAMESPACE = "memoryformer_triton"
 SCORE_IDS = {name: i for i, name in enumerate(HASH_SCORES)}  # the score by name -> the kernels' constexpr
@@ -445,9 +445,7 @@ def _define_triton_ops() -> None:
     torch.compile traces a model (its first Memory Layer call on a GPU inside `generate`'s compiled decode step) is
     something Dynamo cannot trace. Where another copy of this module defined them first (a saved model's remote code
     beside the installed package), its kernels stay: registering them again would warn at every such import."""
-    defined_before = _existing_schema(f"{TRITON_NAMESPACE}::hash") is not None
-    define_ops(TRITON_NAMESPACE)   # checks the schemas where they exist
-    if defined_before:
+    if not define_ops(TRITON_NAMESPACE):   # defined before: define_ops checked their schemas
         return
     for name, kernel in TRITON_KERNELS.items():
         for device in ("cuda", "cpu"):

@@ -101,9 +101,9 @@ def _existing_schema(qualname: str) -> str | None:
     return str(schemas[0]) if schemas else None
 
 
-def define_ops(namespace: str = OPS_NAMESPACE) -> None:
+def define_ops(namespace: str = OPS_NAMESPACE) -> bool:
     """Define every op of OP_SCHEMAS in `namespace` with its fake, autograd and PyTorch kernel, unless this process
-    already has them (then their schemas must be these)."""
+    already has them (then their schemas must be these). Returns whether this call defined them."""
     existing = _existing_schema(f"{namespace}::hash")
     if existing is not None:
         expected = f"{namespace}::hash{OP_SCHEMAS['hash']}"
@@ -113,7 +113,7 @@ def define_ops(namespace: str = OPS_NAMESPACE) -> None:
                 "MemoryFormer releases with different ops cannot run in one process. Load models saved by one "
                 "release per process, or re-save the older model with the installed release."
             )
-        return
+        return False
     for name, schema in OP_SCHEMAS.items():
         torch.library.define(f"{namespace}::{name}", schema)
     for name, kernel in vars(TORCH_BACKEND).items():
@@ -121,6 +121,7 @@ def define_ops(namespace: str = OPS_NAMESPACE) -> None:
             torch.library.impl(f"{namespace}::{name}", "CompositeExplicitAutograd")(kernel)
     _register_fakes(namespace)
     _register_autograd(namespace)
+    return True
 
 
 def _register_fakes(namespace: str) -> None:

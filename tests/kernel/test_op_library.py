@@ -195,7 +195,10 @@ def test_strategies_come_from_the_kernel_and_each_one_runs(fused):
 
 
 def test_define_ops_is_idempotent_and_refuses_other_schemas():
-    define_ops(TORCH_ONLY)  # a second copy of the module (remote code) finds the ops and leaves them
+    # a second copy of the module (remote code) finds the ops and leaves them, and says so
+    assert define_ops(TORCH_ONLY) is False
+    fresh = "memoryformer_opcheck_fresh"
+    assert define_ops(fresh) is True and define_ops(fresh) is False
     other = "memoryformer_opcheck_other"
     torch.library.define(f"{other}::hash", "(Tensor x, int hash_bits, bool l1, float temperature) -> (Tensor, Tensor)")
     with pytest.raises(RuntimeError, match="already defined in this process with other schemas"):

@@ -262,6 +262,27 @@ def total_memory_bytes() -> int | None:
 # Environment
 
 
+def loaded_kernel_library():
+    """The fused kernel's shared library this process loaded, opened with ctypes: a development build's extern "C"
+    functions (the step timers of benchmarks/results/*/step_timers.py, lookup_sweep.py) are read through it."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "memoryformer_cpu_" in line and line.rstrip().endswith(".so")}
+    assert len(paths) == 1, paths
+    return ctypes.CDLL(paths.pop())
+
+
+def tsc_hz(lib, seconds: float = 0.5) -> float:
+    """Ticks per second of the time-stamp counter, from `lib.mf_tsc()` (a development build's rdtsc) over `seconds`."""
+    import ctypes
+
+    lib.mf_tsc.restype = ctypes.c_ulonglong
+    t0, c0 = time.perf_counter(), lib.mf_tsc()
+    time.sleep(seconds)
+    return (lib.mf_tsc() - c0) / (time.perf_counter() - t0)
+
+
 def cpu_model() -> str:
     """The CPU's name, as `memoryformer kernels` prints it."""
     from modeling_memoryformer.cpu_facts import cpu_model as model

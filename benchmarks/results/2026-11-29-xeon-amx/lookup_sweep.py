@@ -9,7 +9,6 @@ them in the same minute. String insertions into the generated source: nothing of
 import ctypes
 import statistics
 import sys
-import time
 
 import torch
 
@@ -57,16 +56,12 @@ def main() -> None:
         assert source.count(old) == 1, old[:60]
         source = source.replace(old, new)
     memory_backend_cpu._build_and_register(source=HEADER + source)
+    from benchmarks.common import loaded_kernel_library, tsc_hz
     from benchmarks.decode_bench import build_in_dtype
     from modeling_memoryformer.evaluation.cpu_load import memory_read_gbps
 
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "memoryformer_cpu_" in line and line.rstrip().endswith(".so")}
-    lib = ctypes.CDLL(paths.pop())
-    lib.mf_tsc.restype = ctypes.c_ulonglong
-    t0, c0 = time.perf_counter(), lib.mf_tsc()
-    time.sleep(0.5)
-    hz = (lib.mf_tsc() - c0) / (time.perf_counter() - t0)
+    lib = loaded_kernel_library()
+    hz = tsc_hz(lib)
     torch.set_num_threads(2)
     preset = sys.argv[1] if len(sys.argv) > 1 else "base"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4

@@ -98,23 +98,14 @@ def timed_source(source: str) -> str:
     return TIMERS + source
 
 
-def library() -> ctypes.CDLL:
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "memoryformer_cpu_" in line and line.rstrip().endswith(".so")}
-    assert len(paths) == 1, paths
-    return ctypes.CDLL(paths.pop())
-
-
 def main() -> None:
     memory_backend_cpu._build_and_register(source=timed_source(CPP_SOURCE))
+    from benchmarks.common import loaded_kernel_library, tsc_hz
     from benchmarks.decode_bench import build_in_dtype
     from modeling_memoryformer.evaluation.cpu_load import memory_read_gbps
 
-    lib = library()
-    lib.mf_tsc.restype = ctypes.c_ulonglong
-    t0, c0 = time.perf_counter(), lib.mf_tsc()
-    time.sleep(0.5)
-    hz = (lib.mf_tsc() - c0) / (time.perf_counter() - t0)
+    lib = loaded_kernel_library()
+    hz = tsc_hz(lib)
     torch.set_num_threads(2)
     preset = sys.argv[1] if len(sys.argv) > 1 else "base"
     calls = int(sys.argv[2]) if len(sys.argv) > 2 else 6

@@ -271,7 +271,7 @@ def decode_section(device: str, smoke: bool, repeats: int, budget_s: float | Non
                                        f"{steps[0]}-token ones (a busy machine, or steps too short to time)")
                 context = prompt_len + sum(steps) / 2
                 nbytes = step_bytes(models[kind, preset], batch, context)["total"]
-                row.update(step_ms=round(ms, 3), tokens_per_s=round(1e3 * batch / ms, 1), step_mb=round(nbytes / 1e6, 1),
+                row.update(step_ms=float(f"{ms:.4g}"), tokens_per_s=round(1e3 * batch / ms, 1), step_mb=round(nbytes / 1e6, 1),
                            share_of_read_bound=round(nbytes / (ms / 1e3) / 1e9 / gbps, 4))
                 if path == "eager":
                     eager_tokens[batch, kind, preset] = out

@@ -19,6 +19,15 @@ each call's steps with the bound of its own minute. Results before 2026-11-28 pr
 bound; a latency-bound gather of scattered rows cannot quite reach it. Results written before the dot probe (no
 "read_gbps") give the sum's.
 
+The read bound suits streamed weights; MemoryFormer's table rows are scattered reads, a few KB each at unrelated
+addresses, which a machine serves at a fraction of its streaming speed, set by its memory latency (benchmarks/results/
+2026-11-30-xeon-amx: 4-11 GB/s for 0.5-3 KB spans against 27 GB/s streamed). So each MemoryFormer cell also probes
+that rate on the model's own tables (`benchmarks.scatter_probe`: random rows, the step's count per row width, whole
+rows dealt to the threads, right before and after each timed call) and states the step against the read + gather
+bound: rows at the probe's rate, every other byte at the read bound ("share of read + gather bound", per call as
+above). The gathers cannot beat that rate by much: the lookup kernel splits a token's row over the threads, narrower
+reads than the probe's.
+
 The step time is read inside one `generate` call: the LM head records when every step reaches it (MemoryFormer's head
 class with its methods wrapped for the call, the twin's head with a forward pre-hook, a logits processor where the step
 is compiled: `StepClock`), and the median interval between consecutive steps after the first (which follows the
@@ -66,6 +75,7 @@ import time
 
 import torch
 
+from . import scatter_probe
 from .common import (
     GB,
     MB,
@@ -254,6 +264,38 @@ def _module_weight_bytes(module) -> list[int]:
     return [_tensor_bytes(t) for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))]
 
 
+def gather_groups(model) -> dict[int, dict]:
+    """MemoryFormer's tables by the bytes of a row: {row bytes: {"tensors": the tables (int8: the codes), "rows": rows
+    one token reads from them (K per Memory Layer)}}. The twin has none."""
+    from modeling_memoryformer.memory_layer import MemoryLayer
+
+    groups: dict[int, dict] = {}
+    for module in model.modules():
+        if isinstance(module, MemoryLayer):
+            tables = module.tables if module.tables is not None else module.tables_codes
+            group = groups.setdefault(tables.shape[1] * tables.element_size(), {"tensors": [], "rows": 0})
+            group["tensors"].append(tables.detach())
+            group["rows"] += module.num_tables
+    return groups
+
+
+def gather_rates(groups: dict[int, dict], batch: int, threads: int, seed: int) -> dict[str, float]:
+    """GB/s of scattered reads of whole rows of each group's tables, as many rows as a step of `batch` sequences reads
+    (at least scatter_probe.MIN_PROBE_BYTES), dealt to `threads` threads."""
+    return {str(width): round(scatter_probe.scattered_read_gbps(g["tensors"], g["rows"] * batch, 1, threads,
+                                                                seed=seed + width), 2)
+            for width, g in groups.items()}
+
+
+def gather_bound_s(groups: dict[int, dict], batch: int, total_bytes: float, gather: dict[str, float],
+                   read_gbps: float) -> float:
+    """Seconds a step needs at the read + gather bound: each group's rows at its scattered-read rate, every other byte
+    (the LM head, norms, biases, the KV cache, int8 row scales) at the read bound."""
+    rows = {width: batch * g["rows"] * width for width, g in groups.items()}
+    gathered = sum(b / (gather[str(width)] * 1e9) for width, b in rows.items())
+    return gathered + (total_bytes - sum(rows.values())) / (read_gbps * 1e9)
+
+
 def _kv_dtype(model) -> torch.dtype:
     """The dtype the KV cache holds: the attention input's, i.e. the model's float dtype (an int8-table model
     computes in float32)."""
@@ -352,6 +394,9 @@ def run_cell(job: dict) -> dict:
     gen = torch.Generator().manual_seed(job["seed"])
     streams, reads = [memory_stream_gbps()], [memory_read_gbps()]
     kwargs = generate_kwargs(path)
+    groups = gather_groups(model)
+    probes = iter(range(10 ** 6))   # a fresh seed, so fresh random rows, for every gather probe
+    gathers = functools.partial(gather_rates, groups, threads=job["threads"]) if groups else None
     for batch in job["batches"]:
         prompt = torch.randint(0, model.config.vocab_size - 1, (batch, job["prompt_tokens"]), generator=gen)
         new = job["new_tokens"]
@@ -362,10 +407,11 @@ def run_cell(job: dict) -> dict:
         with torch.inference_mode():
             if path != "eager":  # the eager tokens, to check the fast path against
                 eager = model.generate(prompt, **common)
-            steps, cores, calls = [], [], []
+            steps, cores, calls, call_gathers = [], [], [], []
             for i in range(job["warmup"] + job["repeats"]):
                 timed = i >= job["warmup"]
                 probe = memory_read_gbps(repeats=2) if timed else None   # the read bound right before the call
+                gather = gathers(batch, seed=next(probes)) if timed and gathers else None
                 out, call_steps, busy = timed_call(model, prompt, path, {**common, **kwargs})
                 if timed:
                     cores.append(busy)
@@ -373,6 +419,9 @@ def run_cell(job: dict) -> dict:
                     reads += [probe, after]
                     steps += call_steps
                     calls.append((statistics.median(call_steps), max(probe, after)))
+                    if gathers:
+                        later = gathers(batch, seed=next(probes))
+                        call_gathers.append({w: max(gather[w], later[w]) for w in gather})
             if path != "eager":
                 cell["same_tokens_as_eager"] = bool(torch.equal(out, eager))
         step = statistics.median(steps)
@@ -383,6 +432,14 @@ def run_cell(job: dict) -> dict:
                     other_cores=max((c for c in cores if c is not None), default=None))
         cell["calls"] = [{"step_ms": round(s * 1e3, 3), "bound_gbps": b} for s, b in calls]
         cell["efficiency_per_call"] = paired_efficiency(cell["bytes"]["total"], calls)
+        if call_gathers:
+            for entry, rates in zip(cell["calls"], call_gathers):
+                entry["gather_gbps"] = rates
+            cell["gather_gbps"] = {w: max(r[w] for r in call_gathers) for w in call_gathers[0]}
+            cell["gather_rows_bytes"] = {str(w): batch * g["rows"] * w for w, g in groups.items()}
+            cell["efficiency_gather_per_call"] = round(statistics.median(
+                gather_bound_s(groups, batch, cell["bytes"]["total"], rates, bound) / seconds
+                for (seconds, bound), rates in zip(calls, call_gathers)), 3)
         result["batches"][str(batch)] = cell
     streams.append(memory_stream_gbps())
     reads.append(memory_read_gbps())
@@ -391,10 +448,15 @@ def run_cell(job: dict) -> dict:
     result["read_gbps"] = max(reads)       # torch.dot's: a plain streaming read
     result["read_gbps_all"] = reads
     result["bound_gbps"] = read_bound(streams, reads)
-    for cell in result["batches"].values():
+    for batch, cell in result["batches"].items():
         cell["gbps"] = round(cell["bytes"]["total"] / (cell["step_ms"] / 1e3) / 1e9, 2)
         cell["efficiency"] = round(cell["gbps"] / result["bound_gbps"], 3)
         cell["efficiency_vs_sum"] = round(cell["gbps"] / result["stream_gbps"], 3)
+        if "gather_gbps" in cell:   # the read + gather bound at the cell's best probes
+            bound_s = gather_bound_s(groups, int(batch), cell["bytes"]["total"], cell["gather_gbps"],
+                                     result["bound_gbps"])
+            cell["gather_bound_ms"] = round(bound_s * 1e3, 3)
+            cell["efficiency_gather"] = round(bound_s * 1e3 / cell["step_ms"], 3)
     result["peak_rss_gb"] = round(peak_rss_bytes() / GB, 2)
     return result
 
@@ -618,9 +680,12 @@ def _cell_line(cell: dict) -> str:
         same = "" if "same_tokens_as_eager" not in b else f", tokens {'==' if b['same_tokens_as_eager'] else '!='} eager"
         per_call = "" if b.get("efficiency_per_call") is None else (
             f" ({100 * b['efficiency_per_call']:.0f}% against the probes around each call)")
+        gather = "" if "efficiency_gather" not in b else (
+            f", {100 * b['efficiency_gather']:.0f}% of the read + gather bound ({b['gather_bound_ms']} ms; rows at "
+            + ", ".join(f"{r} GB/s ({w} B)" for w, r in b["gather_gbps"].items()) + ")")
         parts.append(f"batch {batch}: {b['tokens_per_s']} tok/s, {b['step_ms']} ms/step, "
                      f"{b['bytes']['total'] / MB:.1f} MB/step, {100 * b['efficiency']:.0f}% of the read bound"
-                     f"{per_call}{same}")
+                     f"{per_call}{gather}{same}")
     return "; ".join(parts)
 
 
@@ -694,6 +759,7 @@ def markdown(results: dict) -> str:
               "measured minutes apart); \"bound on ratio\": the twin's bytes per step over MemoryFormer's, what the "
               "ratio would be if both ran at the same fraction of the read bound."]
     lines += bound_twin_markdown(results)
+    lines += gather_markdown(results)
     lines += paired_markdown(results.get("paired", []))
     return "\n".join(lines) + "\n"
 
@@ -726,6 +792,33 @@ def bound_twin_markdown(results: dict) -> list[str]:
         return []
     return ["", "Against a twin that read at the bound (MemoryFormer's share per call x the bound on the ratio; the "
             "twin's own share beside it):", "", *lines]
+
+
+def gather_markdown(results: dict) -> list[str]:
+    """MemoryFormer's cells against the read + gather bound (none measured: no lines)."""
+    rows = []
+    for cell in results["cells"]:
+        if "error" in cell or cell["kind"] != "mf":
+            continue
+        for batch, b in cell["batches"].items():
+            if "efficiency_gather" not in b:
+                continue
+            widths = list(b["gather_gbps"])
+            mb = " / ".join(f"{b['gather_rows_bytes'][w] / MB:.1f}" for w in widths)
+            rates = " / ".join(f"{b['gather_gbps'][w]:.1f}" for w in widths)
+            rows.append(
+                f"| {label(cell)} | {batch} | {mb} | {' / '.join(widths)} | {rates} | {b['gather_bound_ms']:.2f} | "
+                f"{b['step_ms']:.2f} | **{100 * b['efficiency_gather']:.0f}%** | "
+                f"{100 * b['efficiency_gather_per_call']:.0f}% |")
+    if not rows:
+        return []
+    return ["", "## MemoryFormer against the read + gather bound", "",
+            "A step's table rows are scattered reads; this bound takes them at the rate this machine served random "
+            "whole rows of the model's own tables in the same minutes (`benchmarks.scatter_probe`, the best of its "
+            "prefetch settings, right before and after each timed call; per row width), and every other byte at the "
+            "read bound. \"per call\": each call against the probes around it.", "",
+            "| model | batch | rows MB/step | row bytes | gather GB/s | bound ms | ms/step | share | per call |",
+            "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def paired_markdown(paired: list[dict]) -> list[str]:

@@ -270,3 +270,24 @@ def test_a_mixed_paired_cell_runs_memoryformer_eager_and_the_twin_compiled(monke
     assert seen == [("mf", "eager", []), ("twin", "compiled", compiled), ("mf", "eager", []),
                     ("twin", "compiled", compiled), ("twin", "compiled", compiled), ("mf", "eager", [])]
     assert cell["ratio"] == 4.0
+
+
+def test_gather_groups_hold_every_memory_layer_by_row_width_and_the_bound_adds_rows_and_the_rest():
+    """MF-tiny (6 layers, d = 512, tau = 8): Q/K/V rows of 1536 values, the Memory Block's 640 and 512 (its second
+    layer's 64 tables of 1024 rows), 64 tables each per layer; in bf16, rows of 3072, 1280 and 1024 bytes. The bound:
+    each width's rows at its rate plus the other bytes at the read rate, written out here."""
+    model = meta_model("mf", "tiny")
+    groups = decode_bench.gather_groups(model)
+    assert {w: (len(g["tensors"]), g["rows"]) for w, g in groups.items()} == {3072: (6, 384), 1280: (6, 384),
+                                                                             1024: (6, 384)}
+    assert all(t.shape[1] * 2 == w for w, g in groups.items() for t in g["tensors"])
+    rates = {"3072": 10.0, "1280": 8.0, "1024": 5.0}
+    total = 60e6
+    rows = {3072: 2 * 384 * 3072, 1280: 2 * 384 * 1280, 1024: 2 * 384 * 1024}
+    expected = (rows[3072] / 10e9 + rows[1280] / 8e9 + rows[1024] / 5e9) + (total - sum(rows.values())) / 25e9
+    assert decode_bench.gather_bound_s(groups, 2, total, rates, 25.0) == pytest.approx(expected)
+    # the rows counted here are step_bytes' rows less the biases
+    parts = decode_bench.step_bytes(model, 2, 8)
+    biases = sum(m.bias.numel() * 2 for m in model.modules() if type(m).__name__ == "MemoryLayer" and m.bias is not None)
+    assert parts["rows"] - biases == sum(rows.values())
+    assert decode_bench.gather_groups(meta_model("twin", "tiny")) == {}

@@ -1,0 +1,145 @@
+"""The machine's rate for scattered row reads, measured over a model's own tables: the bound of a decode step's gathers.
+
+A decode step reads K random rows of every Memory Layer's tables. Those rows come from DRAM in spans of a few KB at
+unrelated addresses, so their speed is set by how many reads the cores keep in flight and how long each takes (the
+memory latency, which on a shared cloud host moves from minute to minute), not by the streaming bandwidth that
+`torch.dot` measures. This probe reads random rows of the same tables, the same number and width per thread as a step
+(a row split over the threads by columns where the batch has fewer sequences than threads, as the lookup kernel
+splits it), with a plain loop of its own (benchmarks/csrc/scatter_read.c: XOR of the words, every line prefetched some
+spans ahead, the best of SETTINGS), so it says how fast this machine serves such reads in this minute, independent of
+the kernel it bounds.
+
+    rate = scattered_read_gbps(tables_of_one_width, rows=layers * K, split=2, threads=2)
+
+The C file is compiled on first use with the system's C compiler (`CC`, else `cc`; -O3, the running CPU's vectors,
+OpenMP) into ~/.cache/memoryformer-bench, keyed by the source, the flags and the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "scatter_read.c")
+# (spans prefetched ahead into L1, spans ahead into L2): the best is the machine's rate. On the Xeon of
+# benchmarks/results/2026-11-30-xeon-amx (8 GB buffer, 2 threads) 16/48 was the best or within 10% of it for
+# 512-3072-byte spans; none ran as fast as 0/0 for 512 bytes (3.4 against 4.1-6.4 GB/s).
+SETTINGS = ((4, 12), (8, 24), (16, 48), (32, 96))
+MIN_PROBE_BYTES = 8 << 20   # a probe reads at least this much (more random rows than a small model's step)
+
+
+def _cpu_key() -> str:
+    try:
+        from modeling_memoryformer.cpu_facts import cpu_features, cpu_model
+
+        return cpu_model() + " " + " ".join(cpu_features())
+    except Exception:  # a key only: any stable string will do
+        return platform.processor()
+
+
+def _flags() -> list[str]:
+    native = "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
+    return ["-O3", native, "-fopenmp", "-shared", "-fPIC"]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled probe (built once per source, flags and CPU)."""
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    flags = _flags()
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memoryformer-bench")
+    path = os.path.join(cache, f"scatter_read_{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        compiler = os.environ.get("CC", "cc")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            proc = subprocess.run([compiler, *flags, SOURCE, "-o", tmp], capture_output=True, text=True,
+                                  check=False)
+        except FileNotFoundError as exc:
+            raise RuntimeError(f"the scattered-read probe needs a C compiler: {compiler} was not found (set CC to "
+                               "one with OpenMP, e.g. gcc)") from exc
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the scattered-read probe with `{compiler} {' '.join(flags)}` failed (set CC "
+                               f"to a C compiler with OpenMP):\n{proc.stderr[-2000:]}")
+        os.replace(tmp, path)
+    lib = ctypes.CDLL(path)
+    lib.scatter_read.restype = ctypes.c_double
+    lib.scatter_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def scatter_read(tensors: list[torch.Tensor], starts: torch.Tensor, span: int, ahead: int = 0,
+                 far: int = 0) -> tuple[float, list[int]]:
+    """Run the probe: starts int64 [threads, count, 2] of (tensor index, byte offset); every span `span` bytes (a
+    multiple of 8, inside its tensor). Returns (wall seconds, each thread's XOR of the 8-byte words it read)."""
+    if span <= 0 or span % 8:
+        raise ValueError(f"span must be a positive multiple of 8 bytes, got {span}")
+    if starts.dtype != torch.int64 or starts.dim() != 3 or starts.shape[2] != 2 or starts.shape[0] < 1:
+        raise ValueError(f"starts must be int64 [threads, count, 2], got {starts.dtype} {tuple(starts.shape)}")
+    sizes = torch.tensor([t.numel() * t.element_size() for t in tensors])
+    index, offset = starts[..., 0], starts[..., 1]
+    if starts.numel() and (index.min() < 0 or index.max() >= len(tensors) or offset.min() < 0 or (offset % 8).any()
+                           or (offset + span > sizes[index]).any()):
+        raise ValueError("every start must name a tensor of the list and an 8-byte aligned offset whose span fits it")
+    if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError("the probe reads contiguous CPU tensors")
+    bases = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    starts = starts.contiguous()
+    threads, count = starts.shape[0], starts.shape[1]
+    sums = (ctypes.c_uint64 * threads)()
+    seconds = library().scatter_read(bases, starts.data_ptr(), threads, count, span, ahead, far, sums)
+    return seconds, list(sums)
+
+
+def row_starts(tensors: list[torch.Tensor], rows: int, split: int, threads: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """(starts, span) for `rows` random rows of `tensors` (2-D, one row width), uniform over all their rows. split > 1:
+    every thread reads its 1/split of each row's columns (threads == split); else the rows are dealt out to the
+    threads whole."""
+    row_bytes = {t.shape[1] * t.element_size() for t in tensors}
+    if len(row_bytes) != 1 or any(t.dim() != 2 for t in tensors):
+        raise ValueError(f"the tensors must be 2-D with one row width, got {[tuple(t.shape) for t in tensors]}")
+    row_bytes = row_bytes.pop()
+    counts = torch.tensor([t.shape[0] for t in tensors])
+    flat = torch.randint(0, int(counts.sum()), (rows,), generator=generator)
+    index = torch.searchsorted(counts.cumsum(0), flat, right=True)
+    row = flat - (counts.cumsum(0) - counts)[index]
+    offset = row * row_bytes
+    if split > 1:
+        if threads != split:
+            raise ValueError(f"a row split over {split} threads needs {split} threads, got {threads}")
+        span = row_bytes // split // 8 * 8
+        starts = torch.stack([torch.stack([index, offset + t * span], dim=1) for t in range(split)])
+        return starts, span
+    per = rows // threads
+    if per == 0:
+        raise ValueError(f"{rows} rows cannot be dealt out to {threads} threads")
+    starts = torch.stack([index[: per * threads], offset[: per * threads]], dim=1).view(threads, per, 2)
+    return starts, row_bytes // 8 * 8
+
+
+def scattered_read_gbps(tensors: list[torch.Tensor], rows: int, split: int, threads: int, seed: int = 0,
+                        settings=SETTINGS) -> float:
+    """GB/s of the best setting for random rows of `tensors`: at least `rows` rows (more to reach MIN_PROBE_BYTES),
+    read as `row_starts` deals them; fresh rows for every setting (rows read by one setting are not in the caches for
+    the next)."""
+    row_bytes = tensors[0].shape[1] * tensors[0].element_size()
+    rows = max(rows, -(-MIN_PROBE_BYTES // row_bytes))
+    generator = torch.Generator().manual_seed(seed)
+    best = 0.0
+    for ahead, far in settings:
+        starts, span = row_starts(tensors, rows, split, threads, generator)
+        seconds, _ = scatter_read(tensors, starts, span, ahead, far)
+        read = starts.shape[0] * starts.shape[1] * span
+        best = max(best, read / seconds / 1e9)
+    return best

@@ -3,13 +3,15 @@
 A decode step reads K random rows of every Memory Layer's tables. Those rows come from DRAM in spans of a few KB at
 unrelated addresses, so their speed is set by how many reads the cores keep in flight and how long each takes (the
 memory latency, which on a shared cloud host moves from minute to minute), not by the streaming bandwidth that
-`torch.dot` measures. This probe reads random rows of the same tables, the same number and width per thread as a step
-(a row split over the threads by columns where the batch has fewer sequences than threads, as the lookup kernel
-splits it), with a plain loop of its own (benchmarks/csrc/scatter_read.c: XOR of the words, every line prefetched some
-spans ahead, the best of SETTINGS), so it says how fast this machine serves such reads in this minute, independent of
-the kernel it bounds.
+`torch.dot` measures. This probe reads the rows decode steps read, from the same tables in the same order (layer by
+layer, one random row of each table per sequence: `step_starts`), whole rows dealt to the threads in turn, with a
+plain loop of its own (benchmarks/csrc/scatter_read.c: XOR of the words, every line prefetched some rows ahead, the
+best of SETTINGS), so it says how fast this machine serves such reads in this minute, independent of the kernel it
+bounds. (The kernel splits one token's row over the threads by columns, narrower reads, which it still ran faster than
+a split-row probe on the Xeon of benchmarks/results/2026-11-30-xeon-amx; `row_starts` and `scattered_read_gbps` read
+uniformly random rows, split or whole, for such comparisons.)
 
-    rate = scattered_read_gbps(tables_of_one_width, rows=layers * K, split=2, threads=2)
+    rate = step_read_gbps(tables_of_one_width, [K] * layers, batch=1, threads=2)
 
 The C file is compiled on first use with the system's C compiler (`CC`, else `cc`; -O3, the running CPU's vectors,
 OpenMP) into ~/.cache/memoryformer-bench, keyed by the source, the flags and the CPU.
@@ -126,6 +128,46 @@ def row_starts(tensors: list[torch.Tensor], rows: int, split: int, threads: int,
         raise ValueError(f"{rows} rows cannot be dealt out to {threads} threads")
     starts = torch.stack([index[: per * threads], offset[: per * threads]], dim=1).view(threads, per, 2)
     return starts, row_bytes // 8 * 8
+
+
+def step_starts(tensors: list[torch.Tensor], tables: list[int], batch: int, threads: int,
+                min_bytes: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """(starts, span) for the rows decode steps read, in their order: per tensor (a Memory Layer's tables [K * P, D],
+    K = tables[i]) in turn, per sequence of the batch, one random row of each of its K tables in table order; steps
+    repeated with fresh rows up to `min_bytes`; the rows dealt to the threads in turn (row j to thread j % threads), so
+    the threads read the same layer's tables at the same time, as the lookup kernel's threads do."""
+    row_bytes = {t.shape[1] * t.element_size() for t in tensors}
+    if len(row_bytes) != 1 or len(tables) != len(tensors) or any(
+            t.dim() != 2 or k < 1 or t.shape[0] % k for t, k in zip(tensors, tables)):
+        raise ValueError("the tensors must be 2-D [K * rows per table, D] with one row width, and `tables` their K")
+    row_bytes = row_bytes.pop()
+    step = batch * sum(tables) * row_bytes
+    steps = max(1, -(-min_bytes // step))
+    parts = []
+    for _ in range(steps):
+        for i, (t, k) in enumerate(zip(tensors, tables)):
+            per = t.shape[0] // k
+            rows = torch.arange(k) * per + torch.randint(0, per, (batch, k), generator=generator)
+            parts.append(torch.stack([torch.full((batch * k,), i), rows.reshape(-1) * row_bytes], dim=1))
+    entries = torch.cat(parts)
+    count = entries.shape[0] // threads
+    if count == 0:
+        raise ValueError(f"{entries.shape[0]} rows cannot be dealt out to {threads} threads")
+    starts = entries[: count * threads].view(count, threads, 2).transpose(0, 1).contiguous()
+    return starts, row_bytes // 8 * 8
+
+
+def step_read_gbps(tensors: list[torch.Tensor], tables: list[int], batch: int, threads: int, seed: int = 0,
+                   settings=SETTINGS) -> float:
+    """GB/s of the best setting for the rows of decode steps (`step_starts`, at least MIN_PROBE_BYTES), fresh rows for
+    every setting."""
+    generator = torch.Generator().manual_seed(seed)
+    best = 0.0
+    for ahead, far in settings:
+        starts, span = step_starts(tensors, tables, batch, threads, MIN_PROBE_BYTES, generator)
+        seconds, _ = scatter_read(tensors, starts, span, ahead, far)
+        best = max(best, starts.shape[0] * starts.shape[1] * span / seconds / 1e9)
+    return best
 
 
 def scattered_read_gbps(tensors: list[torch.Tensor], rows: int, split: int, threads: int, seed: int = 0,

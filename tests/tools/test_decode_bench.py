@@ -281,6 +281,7 @@ def test_gather_groups_hold_every_memory_layer_by_row_width_and_the_bound_adds_r
     assert {w: (len(g["tensors"]), g["rows"]) for w, g in groups.items()} == {3072: (6, 384), 1280: (6, 384),
                                                                              1024: (6, 384)}
     assert all(t.shape[1] * 2 == w for w, g in groups.items() for t in g["tensors"])
+    assert all(g["tables"] == [64] * 6 for g in groups.values())
     rates = {"3072": 10.0, "1280": 8.0, "1024": 5.0}
     total = 60e6
     rows = {3072: 2 * 384 * 3072, 1280: 2 * 384 * 1280, 1024: 2 * 384 * 1024}

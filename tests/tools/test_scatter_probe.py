@@ -87,3 +87,27 @@ def test_bad_starts_and_spans_are_refused_with_the_reason():
         scatter_probe.scatter_read(tensors, torch.tensor([[0, 0]]), 8)
     with pytest.raises(ValueError, match="one row width"):
         scatter_probe.row_starts([torch.zeros(4, 16), torch.zeros(4, 8)], 4, 1, 2, torch.Generator())
+
+
+def test_step_rows_follow_a_decode_step_layer_by_layer_one_row_per_table_and_sequence():
+    """Two layers' tables (K = 3 tables of 4 rows, then K = 2 of 8 rows), batch 2: the step's rows in order are layer
+    0's sequence 0 tables 0, 1, 2, its sequence 1 tables 0, 1, 2, then layer 1's; row j goes to thread j % 2; steps
+    repeat with fresh rows up to the bytes asked for."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.arange(12 * 8, dtype=torch.int64).view(12, 8), torch.zeros(16, 8, dtype=torch.int64)]
+    starts, span = scatter_probe.step_starts(tensors, [3, 2], 2, 2, 10 * 5 * 64, g)
+    assert span == 64
+    flat = starts.transpose(0, 1).reshape(-1, 2)   # back to the step order
+    per_step = 2 * 3 + 2 * 2
+    assert flat.shape[0] == 5 * per_step  # 640 B per step: 5 steps for 3200 B
+    index, row = flat[:, 0], flat[:, 1] // 64
+    for s in range(5):
+        step_index, step_row = index[s * per_step:(s + 1) * per_step], row[s * per_step:(s + 1) * per_step]
+        assert step_index.tolist() == [0] * 6 + [1] * 4
+        assert (step_row[:6] // 4).tolist() == [0, 1, 2, 0, 1, 2]
+        assert (step_row[6:] // 8).tolist() == [0, 1, 0, 1]
+    assert len(set(row.tolist())) > 10   # fresh random rows, not one step repeated
+    seconds, sums = scatter_probe.scatter_read(tensors, starts, span, 4, 12)
+    assert sums == xor_of_spans(tensors, starts, span)
+    with pytest.raises(ValueError, match="their K"):
+        scatter_probe.step_starts(tensors, [5, 2], 1, 2, 64, g)

@@ -10,8 +10,9 @@ import time
 import mmap
 import torch
 
-from modeling_memoryformer.memory_kernels import fused_ops
+from modeling_memoryformer.memory_kernels import fused_ops, load_fused_kernels
 from modeling_memoryformer import huge_pages
+assert load_fused_kernels(), "the fused kernel did not build"
 ops = fused_ops()
 torch.set_num_threads(2)
 K, R, D = 128, 256, 3072

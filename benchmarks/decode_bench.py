@@ -265,14 +265,19 @@ def _module_weight_bytes(module) -> list[int]:
 
 
 def gather_groups(model) -> dict[int, dict]:
-    """MemoryFormer's tables by the bytes of a row: {row bytes: {"tensors": the tables (int8: the codes), "tables": each
-    one's K, "rows": the rows one token reads from them (their K summed)}}, in the layers' order. The twin has none."""
+    """MemoryFormer's tables by the bytes of a row: {row bytes: {"tensors": the tables (int8: the block of codes and
+    row scales and offsets the lookup reads), "tables": each one's K, "rows": the rows one token reads from them
+    (their K summed)}}, in the layers' order. The twin has none."""
     from modeling_memoryformer.memory_layer import MemoryLayer
 
     groups: dict[int, dict] = {}
     for module in model.modules():
         if isinstance(module, MemoryLayer):
-            tables = module.tables if module.tables is not None else module.tables_codes
+            if module.tables is not None:
+                tables = module.tables
+            else:   # int8: the [R, d + 8] block of codes, scale and offset the kernel reads rows of
+                block = module._int8_tables()[3] if module.tables_codes.device.type == "cpu" else None
+                tables = block if block is not None else module.tables_codes
             group = groups.setdefault(tables.shape[1] * tables.element_size(), {"tensors": [], "tables": [],
                                                                                 "rows": 0})
             group["tensors"].append(tables.detach())

@@ -81,6 +81,13 @@ def test_models_are_built_in_their_storage_dtype_with_working_rotary_tables():
     assert int8.config.table_dtype == "int8" and int8.config.lm_head_dtype == "int8"
     int8_twin = decode_bench.build_in_dtype("twin", "tiny", "int8")
     assert not any(type(m) is torch.nn.Linear for m in int8_twin.modules())
+    # the gather probe reads the tables the lookups read: bf16 rows, int8 rows of codes + scale + offset (d + 8 bytes)
+    for m, widths in ((model, {3072, 1280, 1024}), (int8, {1536 + 8, 640 + 8, 512 + 8})):
+        groups = decode_bench.gather_groups(m)
+        assert set(groups) == widths
+        assert all(t.is_contiguous() for g in groups.values() for t in g["tensors"])
+        rates = decode_bench.gather_rates(groups, 1, 2, seed=0)
+        assert set(rates) == {str(w) for w in widths} and all(r > 0 for r in rates.values())
     ids = torch.randint(0, 1000, (1, 4))
     with torch.inference_mode():
         for m in (model, twin, int8, int8_twin):

@@ -22,8 +22,10 @@ bound; a latency-bound gather of scattered rows cannot quite reach it. Results w
 The read bound suits streamed weights; MemoryFormer's table rows are scattered reads, a few KB each at unrelated
 addresses, which a machine serves at a fraction of its streaming speed, set by its memory latency (benchmarks/results/
 2026-11-30-xeon-amx: 4-11 GB/s for 0.5-3 KB spans against 27 GB/s streamed). So each MemoryFormer cell also probes
-that rate on the model's own tables (`benchmarks.scatter_probe`: random rows, the step's count per row width, whole
-rows dealt to the threads, right before and after each timed call) and states the step against the read + gather
+that rate on the model's own tables (`benchmarks.scatter_probe.step_read_gbps`: the rows decode steps read, layer by
+layer, a random row per table and sequence, per row width, whole rows dealt to the threads in turn, right before and
+after each timed call; int8: rows of the [R, d + 8] block of codes, scale and offset) and states the step against the
+read + gather
 bound: rows at the probe's rate, every other byte at the read bound ("share of read + gather bound", per call as
 above). It is a reference more than a hard bound: the kernel reads the same rows with another loop (one token's row
 split over the threads), and a share above 100% means it beat the probe's loop.

@@ -25,9 +25,8 @@ addresses, which a machine serves at a fraction of its streaming speed, set by i
 that rate on the model's own tables (`benchmarks.scatter_probe.step_read_gbps`: the rows decode steps read, layer by
 layer, a random row per table and sequence, per row width, whole rows dealt to the threads in turn, right before and
 after each timed call; int8: rows of the [R, d + 8] block of codes, scale and offset) and states the step against the
-read + gather
-bound: rows at the probe's rate, every other byte at the read bound ("share of read + gather bound", per call as
-above). It is a reference more than a hard bound: the kernel reads the same rows with another loop (one token's row
+read + gather bound: rows at the probe's rate, every other byte at the read bound ("share of read + gather bound", per
+call as above). It is a reference more than a hard bound: the kernel reads the same rows with another loop (one token's row
 split over the threads), and a share above 100% means it beat the probe's loop.
 
 The step time is read inside one `generate` call: the LM head records when every step reaches it (MemoryFormer's head

@@ -31,7 +31,8 @@ import torch
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "scatter_read.c")
 # (spans prefetched ahead into L1, spans ahead into L2): the best is the machine's rate. On the Xeon of
 # benchmarks/results/2026-11-30-xeon-amx (8 GB buffer, 2 threads) 16/48 was the best or within 10% of it for
-# 512-3072-byte spans; none ran as fast as 0/0 for 512 bytes (3.4 against 4.1-6.4 GB/s).
+# 512-3072-byte spans, and every setting with prefetches read 512-byte spans faster than none (3.7-6.4 against 3.4
+# GB/s).
 SETTINGS = ((4, 12), (8, 24), (16, 48), (32, 96))
 MIN_PROBE_BYTES = 8 << 20   # a probe reads at least this much (more random rows than a small model's step)
 

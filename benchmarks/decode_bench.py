@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -404,7 +405,7 @@ def run_cell(job: dict) -> dict:
     streams, reads = [memory_stream_gbps()], [memory_read_gbps()]
     kwargs = generate_kwargs(path)
     groups = gather_groups(model)
-    probes = iter(range(10 ** 6))   # a fresh seed, so fresh random rows, for every gather probe
+    probes = itertools.count()   # a fresh seed, so fresh random rows, for every gather probe
     gathers = functools.partial(gather_rates, groups, threads=job["threads"]) if groups else None
     for batch in job["batches"]:
         prompt = torch.randint(0, model.config.vocab_size - 1, (batch, job["prompt_tokens"]), generator=gen)

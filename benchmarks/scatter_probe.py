@@ -158,31 +158,31 @@ def step_starts(tensors: list[torch.Tensor], tables: list[int], batch: int, thre
     return starts, row_bytes // 8 * 8
 
 
-def step_read_gbps(tensors: list[torch.Tensor], tables: list[int], batch: int, threads: int, seed: int = 0,
-                   settings=SETTINGS) -> float:
-    """GB/s of the best setting for the rows of decode steps (`step_starts`, at least MIN_PROBE_BYTES), fresh rows for
-    every setting."""
-    generator = torch.Generator().manual_seed(seed)
+def best_gbps(tensors: list[torch.Tensor], draw, settings=SETTINGS) -> float:
+    """GB/s of the best setting: for each (ahead, far) of `settings`, fresh starts from `draw()` -> (starts, span) (rows
+    read by one setting are not in the caches for the next), read by `scatter_read`."""
     best = 0.0
     for ahead, far in settings:
-        starts, span = step_starts(tensors, tables, batch, threads, MIN_PROBE_BYTES, generator)
+        starts, span = draw()
         seconds, _ = scatter_read(tensors, starts, span, ahead, far)
         best = max(best, starts.shape[0] * starts.shape[1] * span / seconds / 1e9)
     return best
 
 
+def step_read_gbps(tensors: list[torch.Tensor], tables: list[int], batch: int, threads: int, seed: int = 0,
+                   settings=SETTINGS) -> float:
+    """GB/s of the best setting for the rows of decode steps (`step_starts`, at least MIN_PROBE_BYTES), fresh rows for
+    every setting."""
+    generator = torch.Generator().manual_seed(seed)
+    return best_gbps(tensors, lambda: step_starts(tensors, tables, batch, threads, MIN_PROBE_BYTES, generator),
+                     settings)
+
+
 def scattered_read_gbps(tensors: list[torch.Tensor], rows: int, split: int, threads: int, seed: int = 0,
                         settings=SETTINGS) -> float:
     """GB/s of the best setting for random rows of `tensors`: at least `rows` rows (more to reach MIN_PROBE_BYTES),
-    read as `row_starts` deals them; fresh rows for every setting (rows read by one setting are not in the caches for
-    the next)."""
+    read as `row_starts` deals them; fresh rows for every setting."""
     row_bytes = tensors[0].shape[1] * tensors[0].element_size()
     rows = max(rows, -(-MIN_PROBE_BYTES // row_bytes))
     generator = torch.Generator().manual_seed(seed)
-    best = 0.0
-    for ahead, far in settings:
-        starts, span = row_starts(tensors, rows, split, threads, generator)
-        seconds, _ = scatter_read(tensors, starts, span, ahead, far)
-        read = starts.shape[0] * starts.shape[1] * span
-        best = max(best, read / seconds / 1e9)
-    return best
+    return best_gbps(tensors, lambda: row_starts(tensors, rows, split, threads, generator), settings)

@@ -10,13 +10,8 @@ groups = {}
 for K, P, D in ((128, 256, 3072), (128, 1024, 1024)):
     groups[D * 2] = [huge_pages.huge_page_empty((K * P, D), torch.bfloat16).normal_() for _ in range(24)]
 def rate(tabs, split, threads, seed):
-    g = torch.Generator().manual_seed(seed)
-    best = 0
-    for ahead, far in sp.SETTINGS:
-        rows = max(24 * 128, (8 << 20) // (tabs[0].shape[1] * 2))
-        st, span = sp.row_starts(tabs, rows, split, threads, g)
-        s, _ = sp.scatter_read(tabs, st, span, ahead, far)
-        best = max(best, st.shape[0] * st.shape[1] * span / s / 1e9)
-    return best
+    return sp.scattered_read_gbps(tabs, 24 * 128, split, threads, seed)
+
+
 for rep in range(4):
     print("  ".join(f"row {w}: 2t-split {rate(t, 2, 2, rep):5.1f} 1t-whole {rate(t, 1, 1, rep+1):5.1f} 2t-whole {rate(t, 1, 2, rep+2):5.1f}" for w, t in groups.items()), flush=True)

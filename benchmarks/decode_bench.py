@@ -297,6 +297,13 @@ def gather_rates(groups: dict[int, dict], batch: int, threads: int, seed: int) -
             for width, g in groups.items()}
 
 
+def table_latency_ns(groups: dict[int, dict], seed: int) -> float:
+    """Nanoseconds per dependent read at random row starts of all the model's tables (`scatter_probe.read_latency_ns`):
+    the memory latency the step's gathers hide behind their prefetches, address translation over the tables' whole
+    footprint included (it grows with the footprint on virtual machines: benchmarks/results/2026-11-30-xeon-amx)."""
+    return scatter_probe.read_latency_ns([t for g in groups.values() for t in g["tensors"]], seed=seed)
+
+
 def gather_bound_s(groups: dict[int, dict], batch: int, total_bytes: float, gather: dict[str, float],
                    read_gbps: float) -> float:
     """Seconds a step needs at the read + gather bound: each group's rows at its scattered-read rate, every other byte
@@ -417,7 +424,7 @@ def run_cell(job: dict) -> dict:
         with torch.inference_mode():
             if path != "eager":  # the eager tokens, to check the fast path against
                 eager = model.generate(prompt, **common)
-            steps, cores, calls, call_gathers = [], [], [], []
+            steps, cores, calls, call_gathers, latencies = [], [], [], [], []
             for i in range(job["warmup"] + job["repeats"]):
                 timed = i >= job["warmup"]
                 probe = memory_read_gbps(repeats=2) if timed else None   # the read bound right before the call
@@ -432,6 +439,7 @@ def run_cell(job: dict) -> dict:
                     if gathers:
                         later = gathers(batch, seed=next(probes))
                         call_gathers.append({w: max(gather[w], later[w]) for w in gather})
+                        latencies.append(table_latency_ns(groups, seed=next(probes)))
             if path != "eager":
                 cell["same_tokens_as_eager"] = bool(torch.equal(out, eager))
         step = statistics.median(steps)
@@ -443,8 +451,10 @@ def run_cell(job: dict) -> dict:
         cell["calls"] = [{"step_ms": round(s * 1e3, 3), "bound_gbps": b} for s, b in calls]
         cell["efficiency_per_call"] = paired_efficiency(cell["bytes"]["total"], calls)
         if call_gathers:
-            for entry, rates in zip(cell["calls"], call_gathers):
+            for entry, rates, latency in zip(cell["calls"], call_gathers, latencies):
                 entry["gather_gbps"] = rates
+                entry["latency_ns"] = round(latency)
+            cell["latency_ns"] = round(statistics.median(latencies))
             cell["gather_gbps"] = {w: max(r[w] for r in call_gathers) for w in call_gathers[0]}
             cell["gather_rows_bytes"] = {str(w): batch * g["rows"] * w for w, g in groups.items()}
             cell["efficiency_gather_per_call"] = round(statistics.median(
@@ -692,7 +702,8 @@ def _cell_line(cell: dict) -> str:
             f" ({100 * b['efficiency_per_call']:.0f}% against the probes around each call)")
         gather = "" if "efficiency_gather" not in b else (
             f", {100 * b['efficiency_gather']:.0f}% of the read + gather bound ({b['gather_bound_ms']} ms; rows at "
-            + ", ".join(f"{r} GB/s ({w} B)" for w, r in b["gather_gbps"].items()) + ")")
+            + ", ".join(f"{r} GB/s ({w} B)" for w, r in b["gather_gbps"].items())
+            + (f"; latency {b['latency_ns']} ns" if "latency_ns" in b else "") + ")")
         parts.append(f"batch {batch}: {b['tokens_per_s']} tok/s, {b['step_ms']} ms/step, "
                      f"{b['bytes']['total'] / MB:.1f} MB/step, {100 * b['efficiency']:.0f}% of the read bound"
                      f"{per_call}{gather}{same}")
@@ -819,7 +830,7 @@ def gather_markdown(results: dict) -> list[str]:
             rows.append(
                 f"| {label(cell)} | {batch} | {mb} | {' / '.join(widths)} | {rates} | {b['gather_bound_ms']:.2f} | "
                 f"{b['step_ms']:.2f} | **{100 * b['efficiency_gather']:.0f}%** | "
-                f"{100 * b['efficiency_gather_per_call']:.0f}% |")
+                f"{100 * b['efficiency_gather_per_call']:.0f}% | {b.get('latency_ns', '-')} |")
     if not rows:
         return []
     return ["", "## MemoryFormer against the read + gather bound", "",
@@ -828,9 +839,12 @@ def gather_markdown(results: dict) -> list[str]:
             "whole rows dealt to the threads: `benchmarks.scatter_probe`, the best of its prefetch settings, right "
             "before and after each timed call; per row width), and every other byte at the read bound. A reference "
             "more than a hard bound: the kernel reads the same rows with another loop, and a share above 100% means "
-            "it beat the probe's. \"per call\": each call against the probes around it.", "",
-            "| model | batch | rows MB/step | row bytes | gather GB/s | bound ms | ms/step | share | per call |",
-            "|---|---|---|---|---|---|---|---|---|", *rows]
+            "it beat the probe's. \"per call\": each call against the probes around it. \"latency\": nanoseconds per "
+            "dependent read at random row starts of all the tables (one thread, the median over the calls): what the "
+            "prefetches hide, address translation over the tables' footprint included.", "",
+            "| model | batch | rows MB/step | row bytes | gather GB/s | bound ms | ms/step | share | per call | "
+            "latency ns |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def paired_markdown(paired: list[dict]) -> list[str]:

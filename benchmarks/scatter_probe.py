@@ -35,6 +35,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "scatt
 # GB/s).
 SETTINGS = ((4, 12), (8, 24), (16, 48), (32, 96))
 MIN_PROBE_BYTES = 8 << 20   # a probe reads at least this much (more random rows than a small model's step)
+LATENCY_READS = 20_000   # dependent reads per latency pass: 4-20 ms at 200-1000 ns
 
 
 def _cpu_key() -> str:
@@ -78,6 +79,8 @@ def library() -> ctypes.CDLL:
     lib.scatter_read.restype = ctypes.c_double
     lib.scatter_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.chase_read.restype = ctypes.c_double
+    lib.chase_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]
     return lib
 
 
@@ -89,6 +92,17 @@ def scatter_read(tensors: list[torch.Tensor], starts: torch.Tensor, span: int, a
         raise ValueError(f"span must be a positive multiple of 8 bytes, got {span}")
     if starts.dtype != torch.int64 or starts.dim() != 3 or starts.shape[2] != 2 or starts.shape[0] < 1:
         raise ValueError(f"starts must be int64 [threads, count, 2], got {starts.dtype} {tuple(starts.shape)}")
+    bases = _bases(tensors, starts, span)
+    starts = starts.contiguous()
+    threads, count = starts.shape[0], starts.shape[1]
+    sums = (ctypes.c_uint64 * threads)()
+    seconds = library().scatter_read(bases, starts.data_ptr(), threads, count, span, ahead, far, sums)
+    return seconds, list(sums)
+
+
+def _bases(tensors: list[torch.Tensor], starts: torch.Tensor, span: int):
+    """The tensors' addresses for the C loops, once every start [..., 2] names one of them and an 8-byte aligned
+    offset whose span fits in it."""
     sizes = torch.tensor([t.numel() * t.element_size() for t in tensors])
     index, offset = starts[..., 0], starts[..., 1]
     if starts.numel() and (index.min() < 0 or index.max() >= len(tensors) or offset.min() < 0 or (offset % 8).any()
@@ -96,12 +110,44 @@ def scatter_read(tensors: list[torch.Tensor], starts: torch.Tensor, span: int, a
         raise ValueError("every start must name a tensor of the list and an 8-byte aligned offset whose span fits it")
     if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
         raise ValueError("the probe reads contiguous CPU tensors")
-    bases = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def chase_read(tensors: list[torch.Tensor], starts: torch.Tensor) -> tuple[float, int]:
+    """One thread reads the 8-byte word at each start (int64 [count, 2] of (tensor index, byte offset)) in turn, each
+    read's address depending on the word before it (scatter_read.c): (wall seconds, the XOR of the words)."""
+    if starts.dtype != torch.int64 or starts.dim() != 2 or starts.shape[1] != 2 or starts.shape[0] < 1:
+        raise ValueError(f"starts must be int64 [count, 2], got {starts.dtype} {tuple(starts.shape)}")
+    bases = _bases(tensors, starts, 8)
     starts = starts.contiguous()
-    threads, count = starts.shape[0], starts.shape[1]
-    sums = (ctypes.c_uint64 * threads)()
-    seconds = library().scatter_read(bases, starts.data_ptr(), threads, count, span, ahead, far, sums)
-    return seconds, list(sums)
+    checksum = ctypes.c_uint64()
+    seconds = library().chase_read(bases, starts.data_ptr(), starts.shape[0], 0, ctypes.byref(checksum))
+    return seconds, checksum.value
+
+
+def random_row_starts(tensors: list[torch.Tensor], reads: int, generator: torch.Generator) -> torch.Tensor:
+    """int64 [reads, 2]: the first byte of `reads` random rows, uniform over every row of `tensors` (2-D, any widths)."""
+    if not tensors or any(t.dim() != 2 or t.shape[0] < 1 for t in tensors):
+        raise ValueError(f"the tensors must be 2-D with rows, got {[tuple(t.shape) for t in tensors]}")
+    row_bytes = torch.tensor([t.shape[1] * t.element_size() for t in tensors])
+    index, row = _random_rows(tensors, reads, generator)
+    return torch.stack([index, row * row_bytes[index]], dim=1)
+
+
+def _random_rows(tensors: list[torch.Tensor], rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor index, row) of `rows` rows drawn uniformly over every row of `tensors`."""
+    counts = torch.tensor([t.shape[0] for t in tensors])
+    flat = torch.randint(0, int(counts.sum()), (rows,), generator=generator)
+    index = torch.searchsorted(counts.cumsum(0), flat, right=True)
+    return index, flat - (counts.cumsum(0) - counts)[index]
+
+
+def read_latency_ns(tensors: list[torch.Tensor], reads: int = LATENCY_READS, passes: int = 3, seed: int = 0) -> float:
+    """Nanoseconds per dependent read at random row starts of `tensors` (`chase_read`): the median of `passes`, each
+    over fresh rows (uniform over all of them, `random_row_starts`)."""
+    generator = torch.Generator().manual_seed(seed)
+    times = [chase_read(tensors, random_row_starts(tensors, reads, generator))[0] / reads for _ in range(passes)]
+    return sorted(times)[len(times) // 2] * 1e9
 
 
 def row_starts(tensors: list[torch.Tensor], rows: int, split: int, threads: int,
@@ -113,10 +159,7 @@ def row_starts(tensors: list[torch.Tensor], rows: int, split: int, threads: int,
     if len(row_bytes) != 1 or any(t.dim() != 2 for t in tensors):
         raise ValueError(f"the tensors must be 2-D with one row width, got {[tuple(t.shape) for t in tensors]}")
     row_bytes = row_bytes.pop()
-    counts = torch.tensor([t.shape[0] for t in tensors])
-    flat = torch.randint(0, int(counts.sum()), (rows,), generator=generator)
-    index = torch.searchsorted(counts.cumsum(0), flat, right=True)
-    row = flat - (counts.cumsum(0) - counts)[index]
+    index, row = _random_rows(tensors, rows, generator)
     offset = row * row_bytes
     if split > 1:
         if threads != split:

@@ -5,8 +5,16 @@
    starts[(t * count + i) * 2 + 1] (an 8-byte aligned offset), in order, each span's 64-byte lines prefetched `ahead`
    spans before it is read (L1 hint; 0: none) and `far` spans before (L2 hint; 0: none), as the lookup kernel keeps
    reads in flight; checksums[t] = the XOR of every 8-byte word thread t read (so the reads happen, and a test can check
-   them). Returns the wall seconds of the parallel region. Plain C and OpenMP, no intrinsics: the compiler's own
-   vectors for the running CPU (-O3 -march=native, -mcpu=native on aarch64). */
+   them). Returns the wall seconds of the parallel region.
+
+   chase_read(bases, starts, count, zero, checksum) -> seconds
+   One thread reads the 8-byte word at each of `count` starts in turn (bases[starts[2 i]] + starts[2 i + 1]), the
+   address of each read made to depend on the word the read before it returned (+ (word & zero), `zero` 0 at run
+   time, which the compiler cannot know): no read can start before the one before it has returned, so the seconds per
+   read are the machine's latency at those addresses, address translation included. *checksum = the XOR of the words.
+
+   Plain C and OpenMP, no intrinsics: the compiler's own vectors for the running CPU (-O3 -march=native, -mcpu=native
+   on aarch64). */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -50,5 +58,16 @@ double scatter_read(const char* const* bases, const int64_t* starts, int64_t thr
     }
     checksums[t] = acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7];
   }
+  return now() - t0;
+}
+
+double chase_read(const char* const* bases, const int64_t* starts, int64_t count, uint64_t zero, uint64_t* checksum) {
+  const double t0 = now();
+  uint64_t word = 0, acc = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    memcpy(&word, bases[starts[2 * i]] + starts[2 * i + 1] + (word & zero), 8);
+    acc ^= word;
+  }
+  *checksum = acc;
   return now() - t0;
 }

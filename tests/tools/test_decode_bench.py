@@ -88,6 +88,7 @@ def test_models_are_built_in_their_storage_dtype_with_working_rotary_tables():
         assert all(t.is_contiguous() for g in groups.values() for t in g["tensors"])
         rates = decode_bench.gather_rates(groups, 1, 2, seed=0)
         assert set(rates) == {str(w) for w in widths} and all(r > 0 for r in rates.values())
+        assert decode_bench.table_latency_ns(groups, seed=0) > 0
     ids = torch.randint(0, 1000, (1, 4))
     with torch.inference_mode():
         for m in (model, twin, int8, int8_twin):

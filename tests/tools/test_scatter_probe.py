@@ -111,3 +111,36 @@ def test_step_rows_follow_a_decode_step_layer_by_layer_one_row_per_table_and_seq
     assert sums == xor_of_spans(tensors, starts, span)
     with pytest.raises(ValueError, match="their K"):
         scatter_probe.step_starts(tensors, [5, 2], 1, 2, 64, g)
+
+
+def test_the_chase_reads_the_word_at_every_start_in_turn():
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-2**15, 2**15, (r, w), dtype=torch.int16, generator=g).view(torch.bfloat16)
+               for r, w in ((64, 40), (16, 128), (200, 8))]
+    starts = scatter_probe.random_row_starts(tensors, 3000, g)
+    seconds, checksum = scatter_probe.chase_read(tensors, starts)
+    assert seconds > 0
+    assert [checksum] == xor_of_spans(tensors, starts.unsqueeze(0), 8)
+    assert scatter_probe.read_latency_ns(tensors, reads=500) > 0
+
+
+def test_random_row_starts_are_row_starts_uniform_over_every_row():
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.zeros(10, 6, dtype=torch.float32), torch.zeros(30, 2, dtype=torch.bfloat16)]
+    starts = scatter_probe.random_row_starts(tensors, 4000, g)
+    index, offset = starts[:, 0], starts[:, 1]
+    row_bytes = torch.tensor([24, 4])[index]
+    assert (offset % row_bytes == 0).all()
+    assert (offset // row_bytes < torch.tensor([10, 30])[index]).all()
+    assert 0.70 < index.float().mean().item() < 0.80   # 30 of the 40 rows are the second tensor's
+    assert len({tuple(s) for s in starts.tolist()}) == 40   # every row drawn
+
+
+def test_the_chase_refuses_bad_starts():
+    t = [torch.zeros(4, 4, dtype=torch.float32)]
+    with pytest.raises(ValueError, match=r"\[count, 2\]"):
+        scatter_probe.chase_read(t, torch.zeros(2, 2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="fits"):
+        scatter_probe.chase_read(t, torch.tensor([[0, 60]]))
+    with pytest.raises(ValueError, match="2-D"):
+        scatter_probe.random_row_starts([torch.zeros(8)], 4, torch.Generator())

@@ -27,7 +27,13 @@ layer, a random row per table and sequence, per row width, whole rows dealt to t
 after each timed call; int8: rows of the [R, d + 8] block of codes, scale and offset) and states the step against the
 read + gather bound: rows at the probe's rate, every other byte at the read bound ("share of read + gather bound", per
 call as above). It is a reference more than a hard bound: the kernel reads the same rows with another loop (one token's row
-split over the threads), and a share above 100% means it beat the probe's loop.
+split over the threads), and a share above 100% means it beat the probe's loop. Beside the rates, the latency behind
+them (`table_latency_ns`: one thread's dependent reads at random row starts of all the tables, after each timed call):
+on a virtual machine it grows with the tables' footprint (62 ns over 64 MB, 313 over 1 GB, 819 over 12 GB on that
+Xeon), and the rows a step can keep in flight over that latency set the gather rate.
+
+Before the timed calls, `--warmup` untimed ones and more until `--warmup-s` seconds (10) have passed (`warm_up`, their
+step times kept in the results): a model just built decoded several times slower for its first seconds there.
 
 The step time is read inside one `generate` call: the LM head records when every step reaches it (MemoryFormer's head
 class with its methods wrapped for the call, the twin's head with a forward pre-hook, a logits processor where the step
@@ -419,27 +425,27 @@ def run_cell(job: dict) -> dict:
         new = job["new_tokens"]
         common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
         cell: dict = {}
-        say(f"batch {batch}: {job['warmup']} + {job['repeats']} generate calls of {new} tokens"
+        say(f"batch {batch}: {job['warmup']} untimed generate call(s) of {new} tokens (more until "
+            f"{job.get('warmup_s', 0):g} s have passed), then {job['repeats']} timed ones"
             + (" (the first compiles)" if path == "compiled" else ""))
         with torch.inference_mode():
             if path != "eager":  # the eager tokens, to check the fast path against
                 eager = model.generate(prompt, **common)
+            cell["warmup_step_ms"] = warm_up(model, prompt, path, {**common, **kwargs}, job)
             steps, cores, calls, call_gathers, latencies = [], [], [], [], []
-            for i in range(job["warmup"] + job["repeats"]):
-                timed = i >= job["warmup"]
-                probe = memory_read_gbps(repeats=2) if timed else None   # the read bound right before the call
-                gather = gathers(batch, seed=next(probes)) if timed and gathers else None
+            for _ in range(job["repeats"]):
+                probe = memory_read_gbps(repeats=2)   # the read bound right before the call
+                gather = gathers(batch, seed=next(probes)) if gathers else None
                 out, call_steps, busy = timed_call(model, prompt, path, {**common, **kwargs})
-                if timed:
-                    cores.append(busy)
-                    after = memory_read_gbps(repeats=2)   # ... and right after it
-                    reads += [probe, after]
-                    steps += call_steps
-                    calls.append((statistics.median(call_steps), max(probe, after)))
-                    if gathers:
-                        later = gathers(batch, seed=next(probes))
-                        call_gathers.append({w: max(gather[w], later[w]) for w in gather})
-                        latencies.append(table_latency_ns(groups, seed=next(probes)))
+                cores.append(busy)
+                after = memory_read_gbps(repeats=2)   # ... and right after it
+                reads += [probe, after]
+                steps += call_steps
+                calls.append((statistics.median(call_steps), max(probe, after)))
+                if gathers:
+                    later = gathers(batch, seed=next(probes))
+                    call_gathers.append({w: max(gather[w], later[w]) for w in gather})
+                    latencies.append(table_latency_ns(groups, seed=next(probes)))
             if path != "eager":
                 cell["same_tokens_as_eager"] = bool(torch.equal(out, eager))
         step = statistics.median(steps)
@@ -479,6 +485,18 @@ def run_cell(job: dict) -> dict:
             cell["efficiency_gather"] = round(bound_s * 1e3 / cell["step_ms"], 3)
     result["peak_rss_gb"] = round(peak_rss_bytes() / GB, 2)
     return result
+
+
+def warm_up(model, prompt: torch.Tensor, path: str, kwargs: dict, job: dict) -> list[float | None]:
+    """Untimed `generate` calls before the timed ones: job["warmup"] of them, and more until job["warmup_s"] seconds
+    have passed (default 0). A model just built can decode several times slower for its first seconds on a cloud guest
+    (MF-base on the Xeon of benchmarks/results/2026-11-30-xeon-amx: 50-110 ms a step of its stack for about 10 s,
+    then 7-10 ms), which a single call does not cover. Returns each call's median step in ms (None: no step timed)."""
+    started, out = time.perf_counter(), []
+    while len(out) < job["warmup"] or time.perf_counter() - started < job.get("warmup_s", 0.0):
+        _, steps, _ = timed_call(model, prompt, path, kwargs)
+        out.append(round(statistics.median(steps) * 1e3, 3) if steps else None)
+    return out
 
 
 def timed_call(model, prompt: torch.Tensor, path: str, kwargs: dict) -> tuple[torch.Tensor, list[float], float | None]:
@@ -526,9 +544,7 @@ def run_pair(job: dict) -> dict:
         calls = {"mf": [], "twin": []}
         cores = []
         with torch.inference_mode():
-            for kind in ("mf", "twin"):
-                for _ in range(job["warmup"]):
-                    timed_call(models[kind], prompt, paths[kind], common[kind])
+            warm = {kind: warm_up(models[kind], prompt, paths[kind], common[kind], job) for kind in ("mf", "twin")}
             for r in range(job["repeats"]):
                 for kind in pair_order(r):
                     _, steps, busy = timed_call(models[kind], prompt, paths[kind], common[kind])
@@ -540,6 +556,7 @@ def run_pair(job: dict) -> dict:
             "mf_step_ms": [round(s * 1e3, 3) for s in calls["mf"]],
             "twin_step_ms": [round(s * 1e3, 3) for s in calls["twin"]],
             "ratios": [round(r, 3) for r in ratios], "ratio": round(statistics.median(ratios), 3),
+            "mf_warmup_step_ms": warm["mf"], "twin_warmup_step_ms": warm["twin"],
             "bound_on_ratio": round(step_bytes(models["twin"], batch, context)["total"]
                                     / step_bytes(models["mf"], batch, context)["total"], 3),
             "other_cores": max((c for c in cores if c is not None), default=None)}
@@ -598,6 +615,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed generate calls first (the compiled path compiles)")
+    p.add_argument("--warmup-s", type=float, default=10.0,
+                   help="and more untimed calls until this many seconds have passed (a model just built decodes "
+                        "slower for its first seconds on some cloud guests; 0: --warmup calls only)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core torch sees)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results", "decode"))
@@ -615,7 +635,7 @@ def jobs(args) -> list[dict]:
     for preset in args.presets:
         for storage in args.storage:
             common = dict(preset=preset, storage=storage, batches=args.batches, prompt_tokens=args.prompt_tokens,
-                          new_tokens=args.new_tokens, warmup=args.warmup, seed=args.seed,
+                          new_tokens=args.new_tokens, warmup=args.warmup, warmup_s=args.warmup_s, seed=args.seed,
                           threads=args.threads or torch.get_num_threads())
             for path in args.paths:
                 if path == "compiled" and storage not in args.compiled_storage:

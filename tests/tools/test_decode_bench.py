@@ -216,8 +216,29 @@ def test_a_paired_cell_alternates_the_models_and_divides_each_pair_of_calls(monk
     # pair 0: mf 4 ms, twin 10; pair 1: twin 12, mf 5; pair 2: mf 2, twin 9
     assert cell["mf_step_ms"] == [4.0, 5.0, 2.0] and cell["twin_step_ms"] == [10.0, 12.0, 9.0]
     assert cell["ratios"] == [2.5, 2.4, 4.5] and cell["ratio"] == 2.5
+    assert cell["mf_warmup_step_ms"] == [1000.0] and cell["twin_warmup_step_ms"] == [1000.0]
     assert "paired" in decode_bench.label(job) and "| **2.50x** | 2.40-4.50x |" in "\n".join(
         decode_bench.paired_markdown([{**job, "batches": {"1": cell}}]))
+
+
+def test_the_warm_up_runs_its_calls_and_more_until_its_seconds_have_passed(monkeypatch):
+    """warm_up: job["warmup"] untimed calls, and more until job["warmup_s"] seconds have passed; each call's median
+    step in ms. Oracle: a clock that moves 4 s per call, and the calls counted here."""
+    clock, calls = [0.0], []
+
+    def fake_call(model, prompt, path, kwargs):
+        clock[0] += 4.0
+        calls.append(path)
+        return None, [0.003, 0.001, 0.002] if len(calls) % 2 else [], 0.0
+
+    monkeypatch.setattr(decode_bench, "timed_call", fake_call)
+    monkeypatch.setattr(decode_bench.time, "perf_counter", lambda: clock[0])
+    assert decode_bench.warm_up(None, None, "eager", {}, dict(warmup=1, warmup_s=10.0)) == [2.0, None, 2.0]
+    assert len(calls) == 3   # 4, 8 and 12 s: the third passes 10 s
+    calls.clear()
+    assert decode_bench.warm_up(None, None, "eager", {}, dict(warmup=4, warmup_s=0.0)) == [2.0, None, 2.0, None]
+    assert decode_bench.parse_args(["--presets", "tiny"]).warmup_s == 10.0
+    assert decode_bench.jobs(decode_bench.parse_args(["--presets", "tiny", "--warmup-s", "0"]))[0]["warmup_s"] == 0
 
 
 def test_paired_cells_follow_each_pair_of_cells_on_the_paired_paths():

@@ -12,6 +12,11 @@ a split-row probe on the Xeon of benchmarks/results/2026-11-30-xeon-amx; `row_st
 uniformly random rows, split or whole, for such comparisons.)
 
     rate = step_read_gbps(tables_of_one_width, [K] * layers, batch=1, threads=2)
+    latency = read_latency_ns(all_tables)   # ns per dependent read at random row starts, one thread
+
+The latency is what the prefetches hide: a core keeps a few dozen lines in flight, so rows arrive at about (lines in
+flight x 64 B / latency) per core, and on a virtual machine the latency grows with the footprint the rows come from
+(address translation: 62 ns over 64 MB to 819 ns over 12 GB on the Xeon of benchmarks/results/2026-11-30-xeon-amx).
 
 The C file is compiled on first use with the system's C compiler (`CC`, else `cc`; -O3, the running CPU's vectors,
 OpenMP) into ~/.cache/memoryformer-bench, keyed by the source, the flags and the CPU.

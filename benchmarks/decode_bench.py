@@ -8,16 +8,17 @@ What a decode step must read (computed from the model, `step_bytes`): the K tabl
 every sequence of the batch (int8: the codes and their row scale and offset), the LM head whole (both models: the
 few-row pass reads it once for up to 4 sequences), every other weight matrix whole (the twin), norms, biases, one
 embedding row per sequence, and the KV cache each sequence attends over (its mean length over the timed steps).
-Efficiency = bytes per step x steps per second / the read bound: the best of two probes over a 128 MB buffer far
-beyond the caches, on transparent huge pages as both models' weights are (`cpu_load.stream_buffer`), all threads,
-measured in the same worker before and after the timing and around each timed `generate` call: `torch.sum` and
-`torch.dot` of the buffer's halves (a plain streaming read; the sum's cascade reads 70-85% as fast on a Zen 1), so the
-fraction of the machine's memory speed the step reaches. Beside it, the share per call (`paired_efficiency`): each
-timed call's bytes/s over the better of the two dot probes right before and after it, the median over the calls;
-where the host moves the memory speed between minutes (14 and 24 GB/s on the Zen 1 of docs/performance.md), it pairs
-each call's steps with the bound of its own minute. Results before 2026-11-28 probed 4 KB pages, which read up to a quarter slower there. 1.0 is the
-bound; a latency-bound gather of scattered rows cannot quite reach it. Results written before the dot probe (no
-"read_gbps") give the sum's.
+Efficiency = bytes per step x steps per second / the read bound: the best of two probes over a 128 MB buffer, its
+lines flushed from every cache level before each read (`flushed_probe`: a large shared L3 otherwise serves part of it),
+on transparent huge pages as both models' weights are (`cpu_load.stream_buffer`), all threads, measured in the same
+worker before and after the timing and around each timed `generate` call: `torch.sum` and `torch.dot` of the buffer's
+halves (a plain streaming read; the sum's cascade reads 70-85% as fast on a Zen 1), so the fraction of the machine's
+memory speed the step reaches. Beside it, the share per call (`paired_efficiency`): each timed call's bytes/s over the
+better of the two dot probes right before and after it, the median over the calls; where the host moves the memory
+speed between minutes (14 and 24 GB/s on the Zen 1 of docs/performance.md), it pairs each call's steps with the bound
+of its own minute. 1.0 is the bound; a latency-bound gather of scattered rows cannot quite reach it. Older results:
+before 2026-11-28 the probes read 4 KB pages (up to a quarter slower there); before 2026-11-30 (no "probe_flushed")
+the buffer was not flushed; without "read_gbps" the bound is the sum's.
 
 The read bound suits streamed weights; MemoryFormer's table rows are scattered reads, a few KB each at unrelated
 addresses, which a machine serves at a fraction of its streaming speed, set by its memory latency (benchmarks/results/
@@ -82,6 +83,8 @@ import sys
 import time
 
 import torch
+
+from modeling_memoryformer.evaluation.cpu_load import stream_buffer
 
 from . import scatter_probe
 from .common import (
@@ -415,7 +418,9 @@ def run_cell(job: dict) -> dict:
     result = {**job, "build_s": round(build_s, 1), "params": sum(p.numel() for p in model.parameters()),
               "batches": {}}
     gen = torch.Generator().manual_seed(job["seed"])
-    streams, reads = [memory_stream_gbps()], [memory_read_gbps()]
+    cold = flushed_probe(say)
+    streams, reads = [memory_stream_gbps(before=cold)], [memory_read_gbps(before=cold)]
+    result["probe_flushed"] = cold is not None
     kwargs = generate_kwargs(path)
     groups = gather_groups(model)
     probes = itertools.count()   # a fresh seed, so fresh random rows, for every gather probe
@@ -434,11 +439,11 @@ def run_cell(job: dict) -> dict:
             cell["warmup_step_ms"] = warm_up(model, prompt, path, {**common, **kwargs}, job)
             steps, cores, calls, call_gathers, latencies = [], [], [], [], []
             for _ in range(job["repeats"]):
-                probe = memory_read_gbps(repeats=2)   # the read bound right before the call
+                probe = memory_read_gbps(repeats=2, before=cold)   # the read bound right before the call
                 gather = gathers(batch, seed=next(probes)) if gathers else None
                 out, call_steps, busy = timed_call(model, prompt, path, {**common, **kwargs})
                 cores.append(busy)
-                after = memory_read_gbps(repeats=2)   # ... and right after it
+                after = memory_read_gbps(repeats=2, before=cold)   # ... and right after it
                 reads += [probe, after]
                 steps += call_steps
                 calls.append((statistics.median(call_steps), max(probe, after)))
@@ -467,8 +472,8 @@ def run_cell(job: dict) -> dict:
                 gather_bound_s(groups, batch, cell["bytes"]["total"], rates, bound) / seconds
                 for (seconds, bound), rates in zip(calls, call_gathers)), 3)
         result["batches"][str(batch)] = cell
-    streams.append(memory_stream_gbps())
-    reads.append(memory_read_gbps())
+    streams.append(memory_stream_gbps(before=cold))
+    reads.append(memory_read_gbps(before=cold))
     result["stream_gbps"] = max(streams)   # torch.sum's
     result["stream_gbps_all"] = streams
     result["read_gbps"] = max(reads)       # torch.dot's: a plain streaming read
@@ -485,6 +490,23 @@ def run_cell(job: dict) -> dict:
             cell["efficiency_gather"] = round(bound_s * 1e3 / cell["step_ms"], 3)
     result["peak_rss_gb"] = round(peak_rss_bytes() / GB, 2)
     return result
+
+
+def flushed_probe(say=None):
+    """What the read probes run before each timed read: a flush of the probe's buffer from every cache level
+    (`scatter_probe.flush_caches`), so each reads DRAM. None (probes unflushed, said through `say`) where the flush
+    cannot run: no C compiler, or a CPU other than x86 and aarch64. Unflushed, the 128 MB buffer read back to back
+    came partly from the 480 MB L3 of the Xeon guest of benchmarks/results/2026-11-30-xeon-amx (38-48 GB/s on its
+    second and third reads; flushed, 32-33.5, as a dot over 2 GB), which made the cell's best probe overstate the
+    bound the model's gigabytes of weights and tables are read at."""
+    buffer = stream_buffer()
+    try:
+        scatter_probe.flush_caches(buffer)
+    except RuntimeError as exc:
+        if say is not None:
+            say(f"the read probes run unflushed (their buffer may be read partly from the L3): {exc}")
+        return None
+    return functools.partial(scatter_probe.flush_caches, buffer)
 
 
 def warm_up(model, prompt: torch.Tensor, path: str, kwargs: dict, job: dict) -> list[float | None]:
@@ -759,7 +781,10 @@ def markdown(results: dict) -> str:
         f"Prompt {args['prompt_tokens']} tokens, {args['new_tokens']} new tokens, greedy; step time: median interval "
         f"between decode steps inside `generate` over {args['repeats']} calls.",
         "Efficiency: bytes the step must read x steps/s / the read bound measured in the same process: the best of "
-        "`torch.sum` and `torch.dot` over a 128 MB buffer, before and after the cell and around each timed call "
+        "`torch.sum` and `torch.dot` over a 128 MB buffer"
+        + (", its lines flushed from the caches before each read," if all(
+            c.get("probe_flushed") for c in results["cells"] if "error" not in c) else " (not flushed from the caches)")
+        + " before and after the cell and around each timed call "
         "(\"sum / dot\"); \"per call\": the median over the timed calls of each call's bytes/s over the better of the "
         "two `torch.dot` probes right before and after it (`paired_efficiency`). "
         "Peak RSS: the whole process (build + decode).",

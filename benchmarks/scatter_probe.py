@@ -86,7 +86,25 @@ def library() -> ctypes.CDLL:
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.chase_read.restype = ctypes.c_double
     lib.chase_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p]
+    lib.flush_lines.restype = ctypes.c_double
+    lib.flush_lines.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
+
+
+def flush_caches(tensor: torch.Tensor, threads: int | None = None) -> float:
+    """Evict every cache line of `tensor`'s bytes from every cache level (scatter_read.c's `flush_lines`: x86
+    `clflush`, aarch64 `dc civac`), so that the next read of it comes from DRAM; returns the seconds it took. A read
+    probe over a buffer that fits the L3 a cloud guest shares (480 MB reported on the Xeon of benchmarks/results/
+    2026-11-30-xeon-amx) reads partly from it when run back to back: 38-48 GB/s there against 29-33 from DRAM. Raises
+    on a CPU other than x86 and aarch64, whose flush instruction the probe does not know."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("flush_caches takes a contiguous CPU tensor")
+    seconds = library().flush_lines(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                    threads or torch.get_num_threads())
+    if seconds < 0:
+        raise RuntimeError(f"flush_caches has no cache flush for this CPU ({platform.machine()}); it knows x86 and "
+                           "aarch64")
+    return seconds
 
 
 def scatter_read(tensors: list[torch.Tensor], starts: torch.Tensor, span: int, ahead: int = 0,

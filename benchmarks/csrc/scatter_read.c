@@ -13,12 +13,21 @@
    time, which the compiler cannot know): no read can start before the one before it has returned, so the seconds per
    read are the machine's latency at those addresses, address translation included. *checksum = the XOR of the words.
 
-   Plain C and OpenMP, no intrinsics: the compiler's own vectors for the running CPU (-O3 -march=native, -mcpu=native
-   on aarch64). */
+   flush_lines(base, nbytes, threads) -> seconds
+   Writes back and evicts every 64-byte line of [base, base + nbytes) from every level of the caches (x86 `clflush`,
+   aarch64 `dc civac`, then a full fence), so that a read timed next comes from DRAM: a buffer smaller than a large
+   shared L3 (a cloud guest can be shown hundreds of MB) otherwise reads partly from it when read back to back.
+   Returns -1 on other architectures.
+
+   Plain C and OpenMP, no intrinsics but the flush's: the compiler's own vectors for the running CPU (-O3
+   -march=native, -mcpu=native on aarch64). */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 static double now(void) {
   struct timespec ts;
@@ -70,4 +79,29 @@ double chase_read(const char* const* bases, const int64_t* starts, int64_t count
   }
   *checksum = acc;
   return now() - t0;
+}
+
+double flush_lines(const char* base, int64_t nbytes, int64_t threads) {
+#if defined(__x86_64__) || defined(__i386__) || defined(__aarch64__)
+  const double t0 = now();
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+  for (int64_t o = 0; o < nbytes; o += 64) {
+#if defined(__aarch64__)
+    __asm__ volatile("dc civac, %0" : : "r"(base + o) : "memory");
+#else
+    _mm_clflush(base + o);
+#endif
+  }
+#if defined(__aarch64__)
+  __asm__ volatile("dsb ish" : : : "memory");
+#else
+  _mm_mfence();
+#endif
+  return now() - t0;
+#else
+  (void)base;
+  (void)nbytes;
+  (void)threads;
+  return -1.0;
+#endif
 }

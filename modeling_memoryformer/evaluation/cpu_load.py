@@ -80,34 +80,41 @@ def stream_buffer():  # -> torch.Tensor; `stream_buffer.cache_clear()` gives its
     return buffer
 
 
-def _best_gbps(read, nbytes: int, repeats: int) -> float:
-    """GB/s of `read()` over `nbytes`, the best of `repeats` timed calls."""
+def _best_gbps(read, nbytes: int, repeats: int, before=None) -> float:
+    """GB/s of `read()` over `nbytes`, the best of `repeats` timed calls, each after `before()` (untimed) if given."""
     best = math.inf
     for _ in range(max(1, repeats)):
+        if before is not None:
+            before()
         start = time.perf_counter()
         read()
         best = min(best, time.perf_counter() - start)
     return round(nbytes / best / 1e9, 2)
 
 
-def memory_stream_gbps(repeats: int = 3) -> float:
-    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`."""
+def memory_stream_gbps(repeats: int = 3, before=None) -> float:
+    """GB/s of `torch.sum` over a STREAM_PROBE_MB float32 buffer (all threads), the best of `repeats`, each after
+    `before()` if given (untimed: a benchmark's cache flush of `stream_buffer()`, see memory_read_gbps)."""
     buffer = stream_buffer()
-    return _best_gbps(buffer.sum, buffer.numel() * buffer.element_size(), repeats)
+    return _best_gbps(buffer.sum, buffer.numel() * buffer.element_size(), repeats, before)
 
 
-def memory_read_gbps(repeats: int = 3) -> float:
+def memory_read_gbps(repeats: int = 3, before=None) -> float:
     """GB/s of `torch.dot` of the two halves of the STREAM_PROBE_MB buffer (all threads), the best of `repeats`: a
     plain streaming read of every byte once. `torch.sum`'s cascade sum reads the same buffer at 70-85% of it on the
     2-vCPU AMD EPYC Zen 1 of docs/performance.md (15-16.5 against 18.6-21 GB/s, where a hand-written AVX2 read loop
     reached 19-23.5), so a decode step's share of the read bound (benchmarks/decode_bench.py) takes the better of the
-    two probes."""
+    two probes.
+
+    `before()`, if given, runs untimed before each repeat. Read back to back, the buffer stays partly in an L3 larger
+    than it (a cloud guest of a 480 MB-L3 Xeon read 38-48 GB/s on the second and third reads against 33 from DRAM), so
+    a benchmark that wants DRAM's rate passes a flush of the buffer's lines (benchmarks/scatter_probe.flush_caches)."""
     import torch
 
     buffer = stream_buffer()
     half = buffer.numel() // 2
     first, second = buffer[:half], buffer[half:2 * half]
-    return _best_gbps(lambda: torch.dot(first, second), 2 * half * buffer.element_size(), repeats)
+    return _best_gbps(lambda: torch.dot(first, second), 2 * half * buffer.element_size(), repeats, before)
 
 
 

@@ -142,6 +142,42 @@ def test_the_read_bound_is_the_best_probe_and_the_dot_probe_reads_the_whole_buff
     assert n1 == n2 == 1 << 19 and p2 - p1 == 4 << 19  # the halves, end to end
 
 
+def test_the_probes_run_their_flush_before_each_timed_read_and_outside_the_timing(monkeypatch):
+    from modeling_memoryformer.evaluation import cpu_load
+
+    events = []
+    clock = iter([0.0, 0.004, 1.0, 1.001, 2.0, 2.008, 3.0, 3.002])
+
+    def tick():
+        events.append("clock")
+        return next(clock)
+
+    monkeypatch.setattr(cpu_load, "stream_buffer", lambda: torch.ones(1 << 20))
+    monkeypatch.setattr(cpu_load.time, "perf_counter", tick)
+    flush = lambda: events.append("flush")  # noqa: E731
+    assert cpu_load.memory_read_gbps(repeats=2, before=flush) == 4.19   # the better of 4 MB in 4 ms and in 1 ms
+    assert cpu_load.memory_stream_gbps(repeats=2, before=flush) == 2.1   # 4 MiB in 2 ms
+    assert events == ["flush", "clock", "clock"] * 4
+
+
+def test_the_flushed_probe_flushes_the_probe_buffer_or_says_why_it_cannot(monkeypatch):
+    buffer = torch.ones(1 << 10)
+    monkeypatch.setattr(decode_bench, "stream_buffer", lambda: buffer)
+    flushed = []
+    monkeypatch.setattr(decode_bench.scatter_probe, "flush_caches", lambda t: flushed.append(t.data_ptr()) or 0.0)
+    probe = decode_bench.flushed_probe()
+    probe()
+    assert flushed == [buffer.data_ptr()] * 2   # once to check it runs, once per call
+
+    def no_flush(t):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(decode_bench.scatter_probe, "flush_caches", no_flush)
+    said = []
+    assert decode_bench.flushed_probe(said.append) is None
+    assert "unflushed" in said[0] and "no C compiler" in said[0]
+
+
 def test_the_share_per_call_divides_each_call_by_the_probes_around_it():
     """Each timed call's bytes/s over the better of the probes taken right before and after it, the median over calls:
     a call in a slow minute is measured against that minute's probe, not the cell's best."""

@@ -144,3 +144,19 @@ def test_the_chase_refuses_bad_starts():
         scatter_probe.chase_read(t, torch.tensor([[0, 60]]))
     with pytest.raises(ValueError, match="2-D"):
         scatter_probe.random_row_starts([torch.zeros(8)], 4, torch.Generator())
+
+
+@pytest.mark.skipif(__import__("platform").machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"),
+                    reason="the flush knows x86 and aarch64 only")
+def test_a_flush_keeps_the_bytes_it_writes_back_and_refuses_what_it_cannot_flush():
+    # Lines written just before the flush are dirty in the caches: the flush must write them back, not drop them.
+    g = torch.Generator().manual_seed(5)
+    expected = torch.randint(-2**31, 2**31, (3 << 18,), dtype=torch.int32, generator=g)   # 3 MB, over the L2
+    buffer = torch.empty_like(expected)
+    buffer.copy_(expected)
+    assert scatter_probe.flush_caches(buffer, threads=2) >= 0
+    assert torch.equal(buffer, expected)
+    odd = expected[1:1001]   # a span that starts and ends inside lines
+    assert scatter_probe.flush_caches(odd, threads=1) >= 0 and torch.equal(odd, expected[1:1001])
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        scatter_probe.flush_caches(expected.view(-1, 2)[:, 0])

@@ -84,19 +84,26 @@ double chase_read(const char* const* bases, const int64_t* starts, int64_t count
 double flush_lines(const char* base, int64_t nbytes, int64_t threads) {
 #if defined(__x86_64__) || defined(__i386__) || defined(__aarch64__)
   const double t0 = now();
-#pragma omp parallel for num_threads((int)threads) schedule(static)
-  for (int64_t o = 0; o < nbytes; o += 64) {
+  const char* first = (const char*)((uintptr_t)base & ~(uintptr_t)63); /* the line holding the first byte */
+  const uintptr_t last = (uintptr_t)base + (uintptr_t)nbytes - 1; /* the last byte */
+  const int64_t lines = nbytes > 0 ? (int64_t)((last - (uintptr_t)first) / 64 + 1) : 0;
+#pragma omp parallel num_threads((int)threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < lines; ++i) {
 #if defined(__aarch64__)
-    __asm__ volatile("dc civac, %0" : : "r"(base + o) : "memory");
+      __asm__ volatile("dc civac, %0" : : "r"(first + 64 * i) : "memory");
 #else
-    _mm_clflush(base + o);
+      _mm_clflush(first + 64 * i);
+#endif
+    }
+    /* each thread waits for its own flushes (a fence orders only the flushes of the core that runs it) */
+#if defined(__aarch64__)
+    __asm__ volatile("dsb ish" : : : "memory");
+#else
+    _mm_mfence();
 #endif
   }
-#if defined(__aarch64__)
-  __asm__ volatile("dsb ish" : : : "memory");
-#else
-  _mm_mfence();
-#endif
   return now() - t0;
 #else
   (void)base;
